@@ -1,0 +1,51 @@
+# The course's two commands:
+#   make lab    set up (once) and open JupyterLab on the notebooks
+#   make test   set up (once) and run the whole test suite
+# Helpers: make notebooks | make grade | make record | make lint | make clean
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup lab test notebooks grade record lint clean
+
+setup: $(STAMP)
+
+# Re-runs only when the requirements or the package description change.
+$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "nvidia-smi found: trying the GPU extras (requirements-gpu.txt)"; \
+	  $(PY) -m pip install --quiet -r requirements-gpu.txt \
+	    || echo "WARNING: the GPU extras did not install (is the CUDA toolkit on PATH?); every chapter still runs without them"; \
+	else \
+	  echo "no nvidia-smi: CPU set-up (GPU cells show reference results)"; \
+	fi
+	@touch $(STAMP)
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/
+
+test: setup
+	$(PY) -m pytest
+
+notebooks: setup
+	$(PY) -m course_utils.build
+
+grade: setup
+	$(PY) -m course_utils.grade
+
+# On a GPU machine: run every chapter with recording on; the results land in
+# course_utils/reference_data/ (commit them).
+record: setup
+	COURSE_RECORD=1 $(PY) -m pytest --nbval notebooks/ -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check course_utils tests source
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

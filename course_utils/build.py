@@ -1,0 +1,261 @@
+"""Generate the learner notebooks from the chapter sources, and check they agree.
+
+``source/NN_topic.py`` (jupytext py:percent, with solutions) is the only file an
+instructor edits for chapter NN. This module writes ``notebooks/NN_topic.ipynb``
+from it: clean (no outputs, no execution counts), with a generated-file marker,
+and with every solution replaced by ``raise NotImplementedError("Exercise N.M")``.
+
+    python -m course_utils.build                 # regenerate notebooks/
+    python -m course_utils.build source/02_*.py  # regenerate some of them
+    python -m course_utils.build --check         # exit 1 if notebooks/ differs
+    python -m course_utils.build --solutions DIR # also write solution notebooks
+    python -m course_utils.build --force         # overwrite learners' work (backed up)
+
+A notebook whose exercise cells a learner has edited is never overwritten
+without ``--force``; with it, the old notebook is first copied to
+``notebook_backups/``. Introduced in Chapter 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import jupytext
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_DIR = ROOT / "source"
+NOTEBOOK_DIR = ROOT / "notebooks"
+BACKUP_DIR = ROOT / "notebook_backups"
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+CHAPTER_RE = re.compile(r"^(\d\d)_[a-z0-9_]+\.py$")
+
+
+class BuildError(Exception):
+    """A chapter source that breaks the exercise conventions."""
+
+
+def chapter_sources(source_dir: Path = SOURCE_DIR) -> list[Path]:
+    """The chapter sources, ``NN_topic.py``, in chapter order."""
+    return sorted(p for p in source_dir.glob("*.py") if CHAPTER_RE.match(p.name))
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def stub_solutions(source: str, exercise: str) -> str:
+    """Replace each BEGIN/END SOLUTION block by a NotImplementedError, same indent."""
+    out, inside = [], False
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise BuildError(f"exercise {exercise}: nested {BEGIN}")
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f'{indent}raise NotImplementedError("Exercise {exercise}")')
+            inside = True
+        elif stripped == END:
+            if not inside:
+                raise BuildError(f"exercise {exercise}: {END} without {BEGIN}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise BuildError(f"exercise {exercise}: {BEGIN} without {END}")
+    return "\n".join(out)
+
+
+def lint(nb, chapter: int, name: str) -> list[tuple[str, int, int]]:
+    """Check the exercise conventions; return ``(id, exercise_cell, check_cell)``.
+
+    Each exercise cell carries an id ``chapter.k`` (k = 1, 2, ... in order) and
+    a solution block, and the next code cell is a check cell with the same id.
+    """
+    found, code = [], [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    for pos, i in enumerate(code):
+        cell = nb.cells[i]
+        tags = cell.metadata.get("tags", [])
+        if "exercise" not in tags:
+            if BEGIN in cell.source:
+                raise BuildError(f"{name}: cell {i} has a solution block but no "
+                                 "'exercise' tag")
+            continue
+        ex = str(cell.metadata.get("exercise", ""))
+        expected = f"{chapter}.{len(found) + 1}"
+        if ex != expected:
+            raise BuildError(f"{name}: exercise cell {i} has id {ex!r}; the next "
+                             f"exercise of chapter {chapter} must be {expected!r}")
+        if BEGIN not in cell.source:
+            raise BuildError(f"{name}: exercise {ex} has no {BEGIN} block")
+        nxt = code[pos + 1] if pos + 1 < len(code) else None
+        check = nb.cells[nxt] if nxt is not None else None
+        if (check is None or "check" not in check.metadata.get("tags", [])
+                or str(check.metadata.get("exercise")) != ex):
+            raise BuildError(f"{name}: exercise {ex} must be followed by a code cell "
+                             f'tagged "check" with exercise="{ex}"')
+        found.append((ex, i, nxt))
+    return found
+
+
+def marker_cell(source_name: str):
+    text = (f"<small>Generated from `source/{source_name}` by "
+            "`python -m course_utils.build`. Learners: work here; regenerating "
+            "never overwrites your exercise answers. Instructors: edit the "
+            "source, not this notebook.</small>")
+    return nbformat.v4.new_markdown_cell(text, id="generated", metadata={"tags": ["generated"]})
+
+
+def generate(source: Path, solutions: bool = False) -> str:
+    """The notebook text for ``source``: learner version, or with solutions."""
+    m = CHAPTER_RE.match(source.name)
+    if not m:
+        raise BuildError(f"{source.name}: chapter sources are named NN_topic.py")
+    chapter = int(m.group(1))
+    nb = jupytext.read(source, fmt="py:percent")
+    lint(nb, chapter, source.name)
+    cells = [marker_cell(source.name)]
+    for i, cell in enumerate(nb.cells):
+        meta = {k: v for k, v in cell.metadata.items() if k in ("tags", "exercise")}
+        src = cell.source
+        if "exercise" in meta.get("tags", []) and not solutions:
+            src = stub_solutions(src, meta["exercise"])
+            meta["stub_sha1"] = _sha1(src)
+        cid = f"c{i:03d}"
+        if cell.cell_type == "markdown":
+            cells.append(nbformat.v4.new_markdown_cell(src, id=cid, metadata=meta))
+        else:
+            cells.append(nbformat.v4.new_code_cell(src, id=cid, metadata=meta))
+    out = nbformat.v4.new_notebook(cells=cells, metadata={
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+        "course": {"generated_from": f"source/{source.name}",
+                   "solutions": solutions},
+    })
+    out.nbformat_minor = 5
+    nbformat.validate(out)
+    return nbformat.writes(out) + "\n"
+
+
+def learner_edits(path: Path) -> list[str]:
+    """Exercise ids whose cell in the notebook at ``path`` differs from its stub."""
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception:  # unreadable: treat the whole file as the learner's
+        return ["(unreadable notebook)"]
+    edited = []
+    for cell in nb.cells:
+        sha = cell.get("metadata", {}).get("stub_sha1")
+        if sha and _sha1(cell.source) != sha:
+            edited.append(str(cell.metadata.get("exercise", "?")))
+    return edited
+
+
+def target_for(source: Path, notebook_dir: Path = NOTEBOOK_DIR) -> Path:
+    return notebook_dir / f"{source.stem}.ipynb"
+
+
+def build(source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR,
+          force: bool = False, backup_dir: Path = BACKUP_DIR,
+          only: list[Path] | None = None) -> dict[str, list[Path]]:
+    """Regenerate the learner notebooks (all, or ``only`` those sources).
+
+    Returns what was written, left unchanged and skipped.
+    """
+    result: dict[str, list[Path]] = {"written": [], "unchanged": [], "skipped": []}
+    notebook_dir.mkdir(parents=True, exist_ok=True)
+    for source in only or chapter_sources(source_dir):
+        text, target = generate(source), target_for(source, notebook_dir)
+        if target.exists():
+            if target.read_text(encoding="utf-8") == text:
+                result["unchanged"].append(target)
+                continue
+            edited = learner_edits(target)
+            if edited and not force:
+                print(f"skipped {target}: exercise(s) {', '.join(edited)} hold your work "
+                      "(use --force to overwrite it; a backup is kept)")
+                result["skipped"].append(target)
+                continue
+            if edited:
+                backup_dir.mkdir(parents=True, exist_ok=True)
+                stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+                backup = backup_dir / f"{target.stem}.{stamp}.ipynb"
+                shutil.copy2(target, backup)
+                print(f"backed up {target} to {backup}")
+        target.write_text(text, encoding="utf-8")
+        print(f"wrote {target}")
+        result["written"].append(target)
+    return result
+
+
+def write_solutions(out_dir: Path, source_dir: Path = SOURCE_DIR,
+                    only: list[Path] | None = None) -> list[Path]:
+    """Write solution notebooks (for the test gates) into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for source in only or chapter_sources(source_dir):
+        path = out_dir / f"{source.stem}.ipynb"
+        path.write_text(generate(source, solutions=True), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def check(source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR) -> list[str]:
+    """Problems that make ``notebooks/`` differ from what ``build`` would write."""
+    problems = []
+    expected = {target_for(s, notebook_dir).name: s for s in chapter_sources(source_dir)}
+    for name, source in expected.items():
+        target = notebook_dir / name
+        if not target.exists():
+            problems.append(f"{target}: missing (generate it from {source})")
+        elif target.read_text(encoding="utf-8") != generate(source):
+            problems.append(f"{target}: differs from what {source} generates")
+    for nb in sorted(notebook_dir.glob("*.ipynb")):
+        if nb.name not in expected:
+            problems.append(f"{nb}: has no source in {source_dir}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_utils.build",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("sources", nargs="*", type=Path,
+                        help="chapter sources to build (default: all of source/)")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that notebooks/ is what the sources generate")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite notebooks holding learners' work (backed up first)")
+    parser.add_argument("--solutions", metavar="DIR", type=Path,
+                        help="also write solution notebooks into DIR")
+    args = parser.parse_args(argv)
+    try:
+        if args.check:
+            problems = check()
+            for p in problems:
+                print(p)
+            if problems:
+                print("notebooks/ is not in sync with source/: run `make notebooks`")
+                return 1
+            print(f"notebooks/ is in sync with source/ ({len(chapter_sources())} chapters)")
+            return 0
+        only = [s.resolve() for s in args.sources] or None
+        result = build(force=args.force, only=only)
+        if args.solutions:
+            for p in write_solutions(args.solutions, only=only):
+                print(f"wrote {p}")
+        if result["skipped"]:
+            print(f"{len(result['skipped'])} notebook(s) skipped to keep your work")
+        return 0
+    except BuildError as e:
+        print(f"build error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Exercise checkers, one module per chapter: ``course_utils.checks.chNN``."""

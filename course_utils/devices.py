@@ -1,0 +1,234 @@
+"""What this machine has: CPUs, GPUs, memory, and which device to use.
+
+Introduced in Chapter 0 ("Setup and devices"). Every chapter prints
+``banner()`` first, so a learner always knows whether a cell ran on a GPU, on
+the CPU, or shows a reference result recorded elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import torch
+
+from course_utils.errors import DoesNotFit
+
+# Share of the free memory a single tensor may take before check_fits refuses:
+# the rest is left for the kernel, the allocator's slack and the operating system.
+FIT_FRACTION = 0.8
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'`` (binary units, as memory is sized). Chapter 0."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def gpu_count() -> int:
+    """How many CUDA GPUs torch can use (0 without a GPU). Chapter 0."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def try_gpu(i: int = 0) -> torch.device:
+    """GPU ``i`` if it exists, else the CPU, saying so in one line. Chapter 0.
+
+    Unlike ``torch.device(f"cuda:{i}")`` this never fails later with an
+    "invalid device ordinal": code written with it runs on any machine.
+    """
+    n = gpu_count()
+    if i < n:
+        return torch.device(f"cuda:{i}")
+    if i > 0 or n > 0:
+        print(f"try_gpu({i}): this machine has {n} GPU(s), so there is no GPU {i};"
+              " using the CPU.")
+    return torch.device("cpu")
+
+
+def try_all_gpus() -> list[torch.device]:
+    """Every GPU, or ``[cpu]`` when there is none: never an empty list. Chapter 0."""
+    n = gpu_count()
+    return [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
+
+
+def for_device(device: torch.device | str, cpu, gpu):
+    """Pick a size (or anything) by device type: ``cpu`` on a CPU, else ``gpu``.
+
+    Chapters use it to keep CPU runs short and GPU runs realistic. Chapter 0.
+    """
+    return cpu if torch.device(device).type == "cpu" else gpu
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo (empty off Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            block = f.read().split("\n\n")[0]
+    except OSError:
+        return {}
+    pairs = (line.split(":", 1) for line in block.splitlines() if ":" in line)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the whole host)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity mask
+        return os.cpu_count() or 1
+
+
+def cpu_facts() -> dict:
+    """Model, cores, SIMD width, clock, memory and torch's thread counts. Chapter 0."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    if "avx512f" in flags:
+        simd = ("AVX-512", 512)
+    elif "avx2" in flags:
+        simd = ("AVX2", 256)
+    elif "avx" in flags:
+        simd = ("AVX", 256)
+    elif flags & {"sse2", "asimd"} or platform.machine() in ("arm64", "aarch64"):
+        simd = ("SSE2/NEON", 128)
+    else:
+        simd = ("unknown", 128)
+    import psutil
+
+    mem = psutil.virtual_memory()
+    freq = psutil.cpu_freq()
+    mhz = freq.max or freq.current if freq else float(info.get("cpu MHz", 0) or 0)
+    return {
+        "model": info.get("model name") or platform.processor() or platform.machine(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "simd": simd[0],
+        "simd_bits": simd[1],
+        "fma": "fma" in flags or "asimd" in flags,
+        "clock_mhz": round(mhz) if mhz else None,
+        "memory_total": mem.total,
+        "memory_available": mem.available,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+    }
+
+
+def gpu_facts(i: int = 0) -> dict:
+    """torch.cuda's view of GPU ``i``: name, capability, SMs, memory. Chapter 0."""
+    p = torch.cuda.get_device_properties(i)
+    free, total = torch.cuda.mem_get_info(i)
+    return {
+        "name": p.name,
+        "capability": f"{p.major}.{p.minor}",
+        "sm_count": p.multi_processor_count,
+        "warp_size": getattr(p, "warp_size", 32),
+        "max_threads_per_sm": getattr(p, "max_threads_per_multi_processor", None),
+        "l2_cache_bytes": getattr(p, "L2_cache_size", None),
+        "memory_total": p.total_memory,
+        "memory_free": free,
+        "memory_allocated": torch.cuda.memory_allocated(i),
+        "memory_reserved": torch.cuda.memory_reserved(i),
+        "device_total_by_driver": total,
+    }
+
+
+def pycuda_facts() -> list[dict] | str:
+    """Every GPU's attributes as pycuda reports them, or why they are unavailable.
+
+    Chapter 0. Returns one dict per device: name, total memory, free memory
+    (read in a context on *that* device) and the driver's attribute table.
+    """
+    try:
+        import pycuda.driver as cuda
+    except ImportError:
+        return "pycuda is not installed (it needs the CUDA toolkit: see requirements-gpu.txt)"
+    try:
+        cuda.init()
+        devices = []
+        for i in range(cuda.Device.count()):
+            dev = cuda.Device(i)
+            ctx = dev.make_context()  # mem_get_info reports the current context's GPU
+            try:
+                free, total = cuda.mem_get_info()
+            finally:
+                ctx.pop()
+            attributes = {str(k).split(".")[-1]: v for k, v in dev.get_attributes().items()}
+            devices.append({"id": i, "name": dev.name(), "memory_total": total,
+                            "memory_free": free, "attributes": attributes})
+        return devices
+    except cuda.Error as e:  # a driver without a GPU, or a GPU in use elsewhere
+        return f"pycuda is installed but the CUDA driver says: {e}"
+
+
+def kernel_target() -> str:
+    """Where numba's ``@cuda.jit`` kernels run: ``'GPU'`` or ``'simulator'``. Chapter 1."""
+    return "simulator" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "GPU"
+
+
+def select_kernel_target() -> None:
+    """Run numba CUDA kernels on the simulator when torch sees no GPU. Chapter 1.
+
+    numba reads NUMBA_ENABLE_CUDASIM once, when it is first imported, so this
+    runs when course_utils is imported. A choice already in the environment wins.
+    """
+    if "NUMBA_ENABLE_CUDASIM" in os.environ:
+        return
+    if "numba" in sys.modules:
+        return  # too late to choose; numba has already decided
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if torch.cuda.is_available() else "1"
+
+
+def check_fits(shape, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", copies: int = 1) -> int:
+    """Refuse, in one line, a tensor that would not fit; return its size in bytes.
+
+    ``copies`` counts tensors of this size alive at once (``a + b`` makes a
+    third). Chapter 0. Raises ``DoesNotFit`` instead of letting the allocator
+    fail, or the operating system kill the notebook's kernel.
+    """
+    device = torch.device(device)
+    numel = 1
+    for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else [shape]):
+        if int(s) < 0:
+            raise DoesNotFit(f"shape {tuple(shape)} has a negative size")
+        numel *= int(s)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = numel * itemsize * copies
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        where = f"{torch.cuda.get_device_name(device)} has {format_bytes(free)} free"
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+        where = f"this machine has {format_bytes(free)} of RAM available"
+    if need > FIT_FRACTION * free:
+        raise DoesNotFit(
+            f"{copies} x {list(shape) if not isinstance(shape, int) else [shape]} "
+            f"{str(dtype).replace('torch.', '')} needs {format_bytes(need)}, but "
+            f"{where}: choose a smaller size.")
+    return need
+
+
+def banner() -> str:
+    """Print and return one line saying what this notebook runs on. Chapter 0."""
+    from course_utils import reference
+
+    cpu = f"{usable_cores()} cores"
+    n = gpu_count()
+    if n == 0:
+        ref = reference.recorded_devices()
+        shown = (f"GPU cells show reference results recorded on {', '.join(ref)}"
+                 if ref else "no GPU reference results recorded yet")
+        line = f"CPU only ({cpu}) - {shown}; CUDA kernels run on numba's simulator"
+    else:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
+        line = (f"{n} GPU{'s' if n > 1 else ''} ({', '.join(names)}) + CPU ({cpu})"
+                f" - GPU cells run for real"
+                + ("; multi-device cells pair the GPU with CPU processes" if n == 1
+                   else "; collectives use nccl"))
+    print(line)
+    return line

@@ -1,0 +1,98 @@
+"""The few plot kinds the chapters share, all matplotlib.
+
+Each function draws on a new figure (or on ``ax`` when given) and returns the
+axes, so a chapter can add a reference curve or a note before showing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+
+from course_utils.bench import Sweep
+
+
+def _axes(ax, figsize=(6.4, 4.0)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    return ax
+
+
+def plot_time_vs_size(sweeps: Sequence[Sweep], xlabel: str = "size",
+                      ylabel: str = "time per call (s)", title: str = "",
+                      ax=None, logx: bool = True, logy: bool = True):
+    """Time against size, one line per sweep, on log axes. Chapter 2.
+
+    The shaded band is the interquartile range of the repeated runs.
+    """
+    ax = _axes(ax)
+    for s in sweeps:
+        (line,) = ax.plot(s.sizes, s.median, marker="o", ms=3, label=s.label)
+        lo = [m - q / 2 for m, q in zip(s.median, s.iqr, strict=True)]
+        hi = [m + q / 2 for m, q in zip(s.median, s.iqr, strict=True)]
+        ax.fill_between(s.sizes, lo, hi, color=line.get_color(), alpha=0.2)
+    ax.set_xscale("log" if logx else "linear")
+    ax.set_yscale("log" if logy else "linear")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return ax
+
+
+def plot_speedup_bars(labels: Sequence[str], seconds: Sequence[float],
+                      baseline: int = 0, title: str = "", ax=None):
+    """Bars of speed-up over ``labels[baseline]`` (higher is faster). Chapter 4.
+
+    Each bar is annotated with its speed-up and the time it stands for.
+    """
+    ax = _axes(ax)
+    base = seconds[baseline]
+    speedups = [base / s for s in seconds]
+    bars = ax.bar(labels, speedups, color=plt.cm.tab10.colors[: len(labels)])
+    ax.axhline(1.0, color="grey", lw=1, ls="--")
+    for bar, sp, s in zip(bars, speedups, seconds, strict=True):
+        ax.annotate(f"{sp:.2f}x\n({s * 1e3:.3g} ms)",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(f"speed-up over {labels[baseline]}")
+    ax.set_ylim(0, max(speedups) * 1.25)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def plot_timeline(spans: Sequence[tuple], title: str = "", unit: str = "ms",
+                  ax=None, lanes: Sequence[str] | None = None):
+    """A Gantt chart: one row per lane (stream, thread, rank or stage). Chapter 3.
+
+    ``spans`` holds ``(lane, start, end)`` or ``(lane, start, end, label)``
+    tuples with times in seconds; they are drawn in ``unit`` ("s", "ms" or
+    "us") from the earliest start. Overlap across rows is work done at once.
+    """
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    t0 = min(s[1] for s in spans)
+    lanes = list(lanes) if lanes else list(dict.fromkeys(s[0] for s in spans))
+    ax = _axes(ax, figsize=(7.5, 0.6 * len(lanes) + 1.2))
+    labels = list(dict.fromkeys(s[3] for s in spans if len(s) > 3))
+    colors = {lab: plt.cm.tab20.colors[i % 20] for i, lab in enumerate(labels)}
+    for span in spans:
+        lane, start, end = span[:3]
+        label = span[3] if len(span) > 3 else None
+        y = lanes.index(lane)
+        left, width = (start - t0) * scale, (end - start) * scale
+        ax.barh(y, width, left=left, height=0.6, edgecolor="black", lw=0.5,
+                color=colors.get(label, "tab:blue"))
+        if label and width > 0:
+            ax.text(left + width / 2, y, str(label), ha="center", va="center",
+                    fontsize=7, clip_on=True)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})")
+    ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    return ax
