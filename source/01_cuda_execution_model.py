@@ -1,0 +1,1020 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 1: The CUDA execution model
+#
+# PyTorch hides the GPU behind `tensor.to("cuda")`, but every operator it runs
+# there is a *kernel*: a function that thousands of GPU threads execute at once.
+# How those threads are organised, and how they reach memory, decides how fast
+# your code runs. In this chapter you write kernels yourself, in Python, with
+# numba's `@cuda.jit`.
+#
+# **What you will learn**
+#
+# - How the host (CPU) and the device (GPU) share work: separate memories,
+#   copies in and out, kernel launches over a grid of blocks of threads.
+# - How to give each thread its own element: vector add and matrix multiply,
+#   with the bounds guard that keeps threads inside the array.
+# - Why warps of 32 threads decide memory efficiency (coalescing) and the cost
+#   of branches (divergence), counted with a small memory-access tracer.
+# - The GPU memory hierarchy, and how shared memory cuts the traffic of matmul.
+# - Why a parallel program's speed-up is capped (Amdahl's law), measured here.
+#
+# **Hardware.** The kernels are written once. With a GPU they run on it for
+# real. Without one, numba's *CUDA simulator* runs the very same kernel source
+# on the CPU, one Python thread per GPU thread: it is slow, so sizes are tiny,
+# but it checks indices and runs `syncthreads` like the hardware. Timings that
+# need a GPU are then shown as reference results recorded on a real GPU.
+
+# %% [markdown]
+# `course_utils` must be imported **before** numba: it tells numba whether to use
+# the GPU or the simulator, and numba reads that choice once, when it is first
+# imported. The banner says which one this notebook uses.
+
+# %%
+import functools
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from course_utils import banner, bench, for_device, reference, try_gpu
+from course_utils.devices import cpu_facts, kernel_target, usable_cores
+from course_utils.warps import count_divergent_warps, trace_sectors
+
+banner()
+from numba import cuda  # after course_utils: the simulator is chosen by now
+
+device = try_gpu()
+on_gpu = device.type == "cuda"
+torch.manual_seed(0)
+rng = np.random.default_rng(0)
+print("numba CUDA kernels run on:", kernel_target())
+
+# %% [markdown]
+# ## 1. Host and device
+#
+# A CUDA program has two sides. The **host** is the CPU with its RAM; it runs
+# your Python. The **device** is the GPU with its own memory (HBM on data-centre
+# GPUs). A kernel running on the device can only read device memory, so the
+# pattern is always the same:
+#
+# 1. allocate on the device and **copy the inputs in** (host to device),
+# 2. **launch** the kernel over many threads,
+# 3. **copy the results out** (device to host).
+#
+# A launch names its shape in square brackets: `kernel[blocks, threads_per_block](args)`.
+# Each thread asks `cuda.grid(1)` for its global index,
+# `blockIdx.x * blockDim.x + threadIdx.x`, and does the work for that one index.
+
+# %%
+@cuda.jit
+def scale(x, factor, out):
+    i = cuda.grid(1)  # blockIdx.x * blockDim.x + threadIdx.x
+    if i < x.size:
+        out[i] = x[i] * factor
+
+
+x_host = np.arange(8, dtype=np.float32)
+x_dev = cuda.to_device(x_host)                  # 1. copy in
+out_dev = cuda.device_array_like(x_dev)         #    room for the result
+scale[2, 4](x_dev, np.float32(10), out_dev)     # 2. launch: 2 blocks x 4 threads
+print(out_dev.copy_to_host())                   # 3. copy out
+print("host array:", type(x_host).__name__, "| device array:", type(x_dev).__name__)
+
+# %% [markdown]
+# With a GPU the device array is a `DeviceNDArray` living in GPU memory; on the
+# simulator it is a stand-in object wrapping a NumPy array, so the same code
+# runs. Passing a NumPy array straight to a kernel also works, but numba then
+# copies it in and out around *every* launch: explicit copies let you keep data
+# on the device between kernels, which is what PyTorch does with CUDA tensors.
+#
+# ## 2. Grids of blocks of threads, and the 1024 limit
+#
+# Threads are grouped in **blocks**, and blocks in a **grid**. Both can have up
+# to three dimensions (x, y, z), which is convenient for images and matrices.
+# The threads of one block run on the same streaming multiprocessor (SM), can
+# share fast on-chip memory and wait for each other (`cuda.syncthreads()`);
+# different blocks cannot, and may run in any order. A block holds **at most
+# 1024 threads** in total, `x * y * z`, on every GPU since compute capability 2.0.
+# The grid, in contrast, can have up to 2^31 - 1 blocks in x.
+#
+# What happens if we ask for 2048 threads in one block? A real GPU refuses the
+# launch: the driver returns `CUDA_ERROR_INVALID_VALUE` and numba raises it as a
+# `CudaAPIError`. The simulator does **not** check this limit (it simply starts
+# 2048 Python threads), so on the simulator the cell below first runs the
+# launch to show that, then applies the hardware's rule itself.
+
+# %%
+MAX_THREADS_PER_BLOCK = (cuda.get_current_device().MAX_THREADS_PER_BLOCK
+                         if kernel_target() == "GPU" else 1024)
+
+
+@cuda.jit
+def fill_thread_ids(out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = i
+
+
+def launch_fill(threads_per_block):
+    out = cuda.to_device(np.zeros(threads_per_block, dtype=np.int32))
+    fill_thread_ids[1, threads_per_block](out)
+    cuda.synchronize()
+    if kernel_target() == "simulator":
+        print(f"the simulator ran {threads_per_block} threads in one block without"
+              " complaint - it does not enforce the hardware limit")
+        if threads_per_block > MAX_THREADS_PER_BLOCK:
+            raise ValueError(f"{threads_per_block} threads per block exceeds the "
+                             f"limit of {MAX_THREADS_PER_BLOCK}: a GPU driver answers "
+                             "CUDA_ERROR_INVALID_VALUE")
+    return out.copy_to_host()
+
+
+try:
+    launch_fill(2048)
+except Exception as e:  # CudaAPIError on a GPU, our ValueError on the simulator
+    print(f"launch refused: {type(e).__name__}: {e}")
+    print("fix: at most 1024 threads per block, and more blocks instead")
+
+# %% [markdown]
+# The fix is always to use **more blocks**, not bigger ones. The cell below
+# checks the rule for a few block shapes: it is the product of the three
+# dimensions that counts.
+
+# %%
+for block in [(1024,), (32, 32), (16, 16, 4), (32, 32, 2), (2048,)]:
+    n = int(np.prod(block))
+    verdict = "ok" if n <= MAX_THREADS_PER_BLOCK else "too many: launch fails"
+    print(f"block {str(block):14} = {n:5} threads  {verdict}")
+
+# %% [markdown]
+# ## 3. The grid, drawn
+#
+# To see the numbering, a kernel on a 2-D grid writes, for every thread, its
+# `blockIdx`, its `threadIdx` and the global (x, y) position it computes. The
+# picture is drawn from what the kernel wrote, not by hand.
+
+# %%
+@cuda.jit
+def record_ids(block_id, thread_id, global_x, global_y):
+    x, y = cuda.grid(2)  # x = blockIdx.x * blockDim.x + threadIdx.x, same for y
+    if y < block_id.shape[0] and x < block_id.shape[1]:
+        block_id[y, x] = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+        thread_id[y, x] = cuda.threadIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        global_x[y, x] = x
+        global_y[y, x] = y
+
+
+grid_shape, block_shape = (3, 2), (4, 3)        # (x, y): 3 x 2 blocks of 4 x 3 threads
+H, W = grid_shape[1] * block_shape[1], grid_shape[0] * block_shape[0]
+ids = [np.zeros((H, W), dtype=np.int32) for _ in range(4)]
+record_ids[grid_shape, block_shape](*ids)
+block_id, thread_id, gx, gy = ids
+
+fig, ax = plt.subplots(figsize=(8, 4.2))
+ax.imshow(block_id, cmap="Pastel1", vmin=0, vmax=8)
+for yy in range(H):
+    for xx in range(W):
+        ax.text(xx, yy, f"b{block_id[yy, xx]} t{thread_id[yy, xx]}\n"
+                f"({gx[yy, xx]},{gy[yy, xx]})", ha="center", va="center", fontsize=7)
+for k in range(1, grid_shape[0]):
+    ax.axvline(k * block_shape[0] - 0.5, color="black", lw=2)
+for k in range(1, grid_shape[1]):
+    ax.axhline(k * block_shape[1] - 0.5, color="black", lw=2)
+ax.set_xticks(range(W))
+ax.set_yticks(range(H))
+ax.set_xlabel("global x = blockIdx.x * blockDim.x + threadIdx.x (column)")
+ax.set_ylabel("global y (row)")
+ax.set_title("A 3 x 2 grid of 4 x 3 blocks: block b, thread t, global (x, y)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Each coloured rectangle is one block. Inside it, threads are numbered with x
+# moving fastest: thread t = `threadIdx.y * blockDim.x + threadIdx.x`. This
+# linear order matters later: the hardware cuts each block into **warps** of 32
+# consecutive threads in exactly this order.
+#
+# ## 4. Vector add, and why the bounds guard is there
+#
+# One thread per output element. The number of elements is rarely a multiple
+# of the block size, so the launch rounds the number of blocks **up**, and the
+# last block has threads with no element. The `if i < c.size` guard sends them
+# home.
+
+# %%
+@cuda.jit
+def vector_add(a, b, c):
+    i = cuda.grid(1)
+    if i < c.size:  # the bounds guard
+        c[i] = a[i] + b[i]
+
+
+n = 1000
+threads = 256
+blocks = (n + threads - 1) // threads  # ceiling division: 4 blocks, 1024 threads
+a = rng.standard_normal(n).astype(np.float32)
+b = rng.standard_normal(n).astype(np.float32)
+c_dev = cuda.device_array(n, dtype=np.float32)
+vector_add[blocks, threads](cuda.to_device(a), cuda.to_device(b), c_dev)
+print(f"{blocks} blocks x {threads} threads = {blocks * threads} threads for {n} elements")
+print("matches numpy:", np.allclose(c_dev.copy_to_host(), a + b))
+
+# %% [markdown]
+# Without the guard, the 24 spare threads write past the end of `c`. The
+# simulator checks every index, so it stops with an `IndexError` naming the
+# offending thread and block. **A real GPU does not check**: the stray writes
+# land in whatever memory follows the array, silently corrupting other data or,
+# if they leave the allocation, crashing later with an "illegal memory access".
+# (NVIDIA's `compute-sanitizer` finds such bugs.) That is why this cell only
+# runs the unguarded kernel on the simulator.
+
+# %%
+@cuda.jit
+def vector_add_unguarded(a, b, c):
+    i = cuda.grid(1)
+    c[i] = a[i] + b[i]  # no guard: threads 1000..1023 index past the end
+
+
+if kernel_target() == "simulator":
+    try:
+        vector_add_unguarded[blocks, threads](a, b, np.zeros(n, dtype=np.float32))
+    except IndexError as e:
+        print("the simulator stopped it:", e)
+else:
+    print("not run on a GPU: out-of-bounds writes are not checked there and would"
+          " corrupt memory instead of raising")
+
+# %% [markdown]
+# ## 5. Matrix multiply, one thread per output element
+#
+# For `C = A @ B`, thread (x, y) computes `C[y, x]` as the dot product of row y
+# of A with column x of B. The seed's description says the whole product then
+# takes "the time of one dot product", since all dot products run in parallel.
+# That is not so. A GPU holds a fixed number of threads at once (by NVIDIA's
+# published figures, at most 132 x 2048 on an H100 SXM5), so a large product
+# runs in many waves; and every thread reads 2n numbers from memory, so the
+# time grows with the n^3 arithmetic and, for this naive kernel,
+# with the memory traffic. Section 8 counts that traffic.
+
+# %%
+@cuda.jit
+def matmul_naive(A, B, C):
+    x, y = cuda.grid(2)  # x: column of C, y: row of C
+    if y < C.shape[0] and x < C.shape[1]:
+        acc = 0.0
+        for k in range(A.shape[1]):
+            acc += A[y, k] * B[k, x]
+        C[y, x] = acc
+
+
+def launch_2d(kernel, A, B, tile=16):
+    n_rows, n_cols = A.shape[0], B.shape[1]
+    C = cuda.device_array((n_rows, n_cols), dtype=np.float32)
+    grid = ((n_cols + tile - 1) // tile, (n_rows + tile - 1) // tile)
+    kernel[grid, (tile, tile)](cuda.to_device(A), cuda.to_device(B), C)
+    cuda.synchronize()
+    return C.copy_to_host()
+
+
+size = for_device(device, cpu=48, gpu=1024)  # the simulator: about 1 s at 64
+A = torch.randn(size, size)
+B = torch.randn(size, size)
+start = time.perf_counter()
+C = launch_2d(matmul_naive, A.numpy(), B.numpy())
+elapsed = time.perf_counter() - start
+torch.testing.assert_close(torch.from_numpy(C), A @ B, rtol=1e-4, atol=1e-4)
+print(f"{size}x{size} naive matmul on the {kernel_target()} matches torch "
+      f"({elapsed:.2f} s including copies and, on a GPU, compilation)")
+
+# %% [markdown]
+# ## 6. Warps and memory coalescing
+#
+# The hardware does not schedule threads one by one. It runs them in **warps of
+# 32 consecutive threads** (numbered as in the picture above) that issue each
+# instruction together. When a warp executes a load, the 32 addresses are
+# combined into as few memory transactions as possible. On current NVIDIA GPUs
+# (compute capability 6.0 and later) the unit is a **32-byte sector**; a
+# 128-byte cache line holds four of them. So 32 threads reading 32 consecutive
+# `float32` values need 128 bytes = **4 sectors**: the access is *coalesced*.
+# If each thread reads a float 8 elements (32 bytes) after its neighbour, every
+# thread needs its own sector: 32 sectors, of which only 4 bytes each are used.
+#
+# **A correction to the seed.** The seed says that the accesses of 16
+# neighbouring threads coalesce. That was true of compute capability 1.x GPUs
+# (2007-2009), which combined accesses per *half-warp*. Since Fermi (2.x) it is
+# the whole warp of 32 threads, and what matters is how many distinct 32-byte
+# sectors the warp's addresses fall in.
+#
+# To count sectors we use a small tracer from `course_utils.warps`. It does not
+# run a kernel: it evaluates the kernel's **index expression**, written as a
+# plain Python function of `(blockIdx, threadIdx)`, for every thread of a
+# launch, groups the threads into warps the way the hardware does, and counts
+# distinct sectors per warp request. It therefore works with or without a GPU.
+# It models addresses only - no caches, no timing.
+#
+# Here is a gather kernel, `out[i] = src[idx[i]]`, and three index arrays: the
+# identity (coalesced), a stride of 8 floats (a permutation that visits every
+# 8th element first), and a random permutation.
+
+# %%
+@cuda.jit
+def gather(src, idx, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = src[idx[i]]
+
+
+def strided_permutation(n, stride):
+    """0, s, 2s, ..., then 1, 1+s, ...: every element once, neighbours s apart."""
+    return np.arange(n).reshape(n // stride, stride).T.reshape(-1)
+
+
+n_trace, threads = 4096, 256
+patterns = {
+    "coalesced": np.arange(n_trace),
+    "stride 2": strided_permutation(n_trace, 2),
+    "stride 8": strided_permutation(n_trace, 8),
+    "random": rng.permutation(n_trace),
+}
+src = np.arange(n_trace, dtype=np.float32)
+small = 1024  # the simulator runs one Python thread per GPU thread: keep it small
+for name, idx in patterns.items():  # the kernel really computes the gather
+    out = np.zeros(small, dtype=np.float32)
+    gather[small // threads, threads](src, idx[:small], out)
+    assert np.array_equal(out, src[idx[:small]]), name
+print("gather kernel checked on", list(patterns))
+
+# %% [markdown]
+# The index expression of `gather` for the tracer: thread `i` reads `idx[i]`
+# (always coalesced), then `src[idx[i]]` (the pattern), then writes `out[i]`.
+
+# %%
+def gather_accesses(idx):
+    def accesses(block, thread):
+        i = block[0] * threads + thread[0]
+        if i >= len(idx):
+            return []
+        return [("src", int(idx[i]))]  # the load whose pattern varies
+    return accesses
+
+
+sector_table = {}
+for name, idx in patterns.items():
+    trace = trace_sectors(gather_accesses(idx), grid=n_trace // threads, block=threads)
+    sector_table[name] = trace
+    print(f"{name:10} {trace}")
+
+# %% [markdown]
+# Read the `sectors/request` column: the coalesced load needs the minimum, 4;
+# stride 2 doubles it, because half of every sector is skipped; at a stride of 8
+# floats or more, or at random, each thread needs its own sector, so a warp
+# moves 8 times the bytes it uses.
+#
+# Does that cost time? The memory system moves sectors, so when memory is the
+# bottleneck, bandwidth in *useful* bytes per second should fall in proportion.
+# `torch.take(src, idx)` launches the same one-thread-per-element gather, so we
+# time it for the three patterns on the device we have. A CPU has the same
+# problem with its 64-byte cache lines, so the CPU run is an honest analogue; on
+# a GPU the measurement is recorded as a reference.
+
+# %%
+n_bw = for_device(device, cpu=2**22, gpu=2**26)
+src_t = torch.randn(n_bw, device=device)
+bw_patterns = {
+    "coalesced": torch.arange(n_bw, device=device),
+    "stride 8": torch.from_numpy(strided_permutation(n_bw, 8)).to(device),
+    "random": torch.randperm(n_bw, generator=torch.Generator().manual_seed(0)).to(device),
+}
+useful_bytes = n_bw * (4 + 8 + 4)  # read src (float32) and idx (int64), write out
+bandwidth = {}
+for name, idx in bw_patterns.items():
+    t = bench(torch.take, src_t, idx, min_run_time=0.1).median
+    bandwidth[name] = useful_bytes / t / 1e9
+for name, gbs in bandwidth.items():
+    print(f"{name:10} {gbs:8.1f} GB/s useful  ({bandwidth['coalesced'] / gbs:.1f}x "
+          f"slower than coalesced)")
+if on_gpu:
+    reference.record("01.gather_bandwidth", bandwidth, "GB/s", device)
+ref = reference.show("01.gather_bandwidth", local=str(
+    {k: round(v, 1) for k, v in bandwidth.items()}), unit="GB/s",
+    local_device=str(device))
+
+# %%
+fig, ax = plt.subplots(figsize=(6.4, 3.6))
+names = list(bandwidth)
+ax.bar([f"{k}\n(here)" for k in names], [bandwidth[k] for k in names], color="tab:blue")
+if ref and not on_gpu:
+    gpu_bw = ref[0]["value"]
+    ax.bar([f"{k}\n({ref[0]['device']})" for k in names], [gpu_bw[k] for k in names],
+           color="tab:green")
+ax.set_xlabel("access pattern (where measured)")
+ax.set_ylabel("useful bandwidth (GB/s)")
+ax.set_title(f"Gather of {n_bw:,} floats by access pattern on {device}")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Look for the coalesced bar to be the highest and the random one the lowest.
+# On a GPU the gap is large, because many warps keep HBM busy with sectors that
+# are mostly thrown away. On a CPU it is usually smaller: its caches and
+# prefetchers hide part of the cost, and `torch.take` runs on few cores.
+#
+# ## 7. Divergence: when threads of a warp disagree
+#
+# A warp issues one instruction for all its 32 threads. At a branch where some
+# threads go one way and some the other, it runs **both** paths one after the
+# other, each time with the threads of the other path switched off. A branch on
+# `i % 2` makes every warp diverge; the same amount of work branched on
+# `(i // 32) % 2` sends whole warps one way and costs nothing extra. The seed
+# warns that "branches can be very inefficient": it is only branches that
+# split a warp that cost, as the count below shows.
+
+# %%
+@cuda.jit
+def two_paths(out, by_warp, steps):
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    lane_group = (i // 32) % 2 if by_warp else i % 2
+    v = out[i]
+    if lane_group == 0:
+        for _ in range(steps):
+            v = v * 1.000001 + 0.5
+    else:
+        for _ in range(steps):
+            v = v * 0.999999 - 0.25
+    out[i] = v
+
+
+def branch_of(by_warp):
+    def branch(block, thread):
+        i = block[0] * 256 + thread[0]
+        return (i // 32) % 2 if by_warp else i % 2
+    return branch
+
+
+for by_warp in (False, True):
+    div, total = count_divergent_warps(branch_of(by_warp), grid=8, block=256)
+    label = "(i // 32) % 2" if by_warp else "i % 2       "
+    print(f"branch on {label}: {div} of {total} warps diverge")
+
+# %% [markdown]
+# On a GPU the cell below times both layouts (numba's CUDA events, median of
+# repeated launches after a warm-up). Expect the divergent layout to take about
+# twice as long, as the warp runs both loops. On the simulator every thread is a
+# Python thread and there is no warp, so timing it would teach nothing: it runs
+# a tiny launch to check that both layouts compute the same values, and shows
+# the reference.
+
+# %%
+def time_kernel(launch, repeats=20):
+    """Median seconds of ``launch()`` measured with CUDA events (GPU only)."""
+    launch()  # warm-up: compilation and first-launch costs
+    times = []
+    for _ in range(repeats):
+        start, end = cuda.event(), cuda.event()
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(cuda.event_elapsed_time(start, end) / 1e3)
+    return float(np.median(times))
+
+
+n_div = for_device(device, cpu=512, gpu=2**22)
+steps = for_device(device, cpu=4, gpu=2000)
+results = {}
+for by_warp in (False, True):
+    out = cuda.to_device(np.ones(n_div, dtype=np.float32))
+    launch = functools.partial(two_paths[(n_div + 255) // 256, 256], out, by_warp, steps)
+    if on_gpu:
+        results["by warp" if by_warp else "by parity"] = time_kernel(launch)
+    else:
+        launch()
+        results["by warp" if by_warp else "by parity"] = out.copy_to_host()
+if on_gpu:
+    ratio = results["by parity"] / results["by warp"]
+    print(f"divergent (i % 2): {results['by parity'] * 1e3:.3f} ms, "
+          f"by warp: {results['by warp'] * 1e3:.3f} ms, ratio {ratio:.2f}")
+    reference.record("01.divergence_ratio", ratio, "x", device)
+else:
+    same = np.array_equal(np.sort(results["by parity"]), np.sort(results["by warp"]))
+    print("both layouts give the same multiset of values:", same)
+_ = reference.show("01.divergence_ratio", unit="x (divergent time / uniform time)")
+
+# %% [markdown]
+# ## 8. The memory hierarchy
+#
+# From fastest and smallest to slowest and largest, a GPU offers:
+#
+# - **registers**, private to a thread;
+# - **shared memory** (and the L1 cache, in the same on-chip storage), private to a
+#   block and shared by its threads - the kernel manages it explicitly;
+# - the **L2 cache**, shared by all SMs;
+# - **global memory** (HBM), large, with a latency of hundreds of cycles. That
+#   latency is hidden by having many warps in flight: while one waits, another
+#   computes - the reason kernels launch far more threads than there are cores.
+#
+# On a GPU the next cell probes what torch reports. Without one it shows the
+# figures NVIDIA publishes for the H100 SXM5 (NVIDIA H100 Tensor Core GPU
+# datasheet and architecture whitepaper): published specifications, **not
+# measurements**.
+
+# %%
+if on_gpu:
+    p = torch.cuda.get_device_properties(device)
+    regs = cuda.get_current_device().MAX_REGISTERS_PER_MULTIPROCESSOR
+    bus, clock = getattr(p, "memory_bus_width", 0), getattr(p, "memory_clock_rate", 0)
+    facts = {
+        "device": p.name,
+        "SMs": p.multi_processor_count,
+        "32-bit registers per SM": regs,
+        "shared memory per block (default)": getattr(p, "shared_memory_per_block", None),
+        "shared memory per SM": getattr(p, "shared_memory_per_multiprocessor", None),
+        "L2 cache": getattr(p, "L2_cache_size", None),
+        "global memory": p.total_memory,
+        "peak DRAM bandwidth from bus x clock (GB/s)":
+            round(2 * clock * 1e3 * bus / 8 / 1e9) if bus and clock else None,
+    }
+    print("probed by torch and numba on this GPU:")
+else:
+    facts = {
+        "device": "NVIDIA H100 SXM5 80GB (published specification)",
+        "SMs": 132,
+        "32-bit registers per SM": 65536,
+        "shared memory per SM (configurable with L1)": "up to 228 KB",
+        "shared memory per block (opt-in maximum)": "227 KB",
+        "L2 cache": "50 MB",
+        "global memory": "80 GB HBM3",
+        "HBM3 bandwidth": "3.35 TB/s",
+    }
+    print("no GPU: NVIDIA's published H100 SXM5 figures, not measured here:")
+for k, v in facts.items():
+    print(f"  {k:45} {v}")
+
+# %% [markdown]
+# We can see the hierarchy in a measurement on either device: copy a buffer of
+# growing size and compute the bandwidth. While source and copy fit in a cache,
+# copies are fast; once they spill to main memory (RAM or HBM), bandwidth drops
+# to what that memory delivers. Look for the step down on the right of the
+# curve. On the left, the smallest copies are held back by the fixed cost of
+# each call (a kernel launch on a GPU), so the curve first rises.
+
+# %%
+def copy_bandwidth(n_bytes):
+    x = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    y = torch.empty_like(x)
+    t = bench(y.copy_, x, min_run_time=0.03).median
+    return 2 * n_bytes / t / 1e9  # read x and write y
+
+
+sizes = [2**k for k in range(20, for_device(device, cpu=28, gpu=32))]
+bw_curve = [copy_bandwidth(s) for s in sizes]
+if on_gpu:
+    reference.record("01.copy_bandwidth_vs_size", {"bytes": sizes, "GB/s": bw_curve},
+                     "GB/s", device)
+curve_ref = reference.show("01.copy_bandwidth_vs_size", unit="GB/s")
+
+fig, ax = plt.subplots(figsize=(6.4, 3.8))
+ax.plot(sizes, bw_curve, marker="o", label=f"measured here ({device})")
+for e in ([] if on_gpu else curve_ref):
+    ax.plot(e["value"]["bytes"], e["value"]["GB/s"], marker="s", label=e["device"])
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("buffer size (bytes)")
+ax.set_ylabel("copy bandwidth (GB/s, read + write)")
+ax.set_title("Copy bandwidth against working-set size")
+ax.grid(True, which="both", alpha=0.3)
+ax.legend()
+plt.tight_layout()
+plt.show()
+best = int(np.argmax(bw_curve))
+print(f"peak {bw_curve[best]:.0f} GB/s at {sizes[best] // 2**20} MiB buffers, "
+      f"{bw_curve[best] / bw_curve[-1]:.1f}x the {bw_curve[-1]:.0f} GB/s of the "
+      f"largest ({sizes[-1] // 2**20} MiB)")
+
+# %% [markdown]
+# ### Shared memory: a tiled matrix multiply
+#
+# In the naive matmul every thread reads a whole row of A and a whole column of
+# B from global memory, so each element of A and B is fetched n times. A tiled
+# kernel lets the threads of a block cooperate: each thread loads **one**
+# element of a TILE x TILE piece of A and one of B into shared memory, the block
+# waits at `cuda.syncthreads()`, and then every thread reads its TILE products
+# from fast shared memory. Global traffic falls by a factor of about TILE.
+
+# %%
+TILE = 16
+
+
+@cuda.jit
+def matmul_tiled(A, B, C):
+    a_tile = cuda.shared.array((TILE, TILE), dtype=np.float32)
+    b_tile = cuda.shared.array((TILE, TILE), dtype=np.float32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    x, y = cuda.grid(2)
+    acc = 0.0
+    for t in range((A.shape[1] + TILE - 1) // TILE):
+        k_a, k_b = t * TILE + tx, t * TILE + ty
+        a_tile[ty, tx] = A[y, k_a] if y < A.shape[0] and k_a < A.shape[1] else 0.0
+        b_tile[ty, tx] = B[k_b, x] if k_b < B.shape[0] and x < B.shape[1] else 0.0
+        cuda.syncthreads()  # the whole tile is loaded before anyone reads it
+        for k in range(TILE):
+            acc += a_tile[ty, k] * b_tile[k, tx]
+        cuda.syncthreads()  # everyone is done before the tile is overwritten
+    if y < C.shape[0] and x < C.shape[1]:
+        C[y, x] = acc
+
+
+size_t = for_device(device, cpu=32, gpu=1024)
+A2, B2 = torch.randn(size_t, size_t), torch.randn(size_t, size_t)
+C_tiled = launch_2d(matmul_tiled, A2.numpy(), B2.numpy(), tile=TILE)
+torch.testing.assert_close(torch.from_numpy(C_tiled), A2 @ B2, rtol=1e-4, atol=1e-4)
+print(f"{size_t}x{size_t} tiled matmul on the {kernel_target()} matches torch")
+
+# %% [markdown]
+# The tracer counts the global-memory sectors of both kernels from their index
+# expressions, for a small size so it takes a moment.
+
+# %%
+def naive_accesses(n):
+    def accesses(block, thread):
+        x, y = block[0] * TILE + thread[0], block[1] * TILE + thread[1]
+        reads = []
+        for k in range(n):
+            reads += [("A", y * n + k), ("B", k * n + x)]
+        return reads + [("C", y * n + x)]
+    return accesses
+
+
+def tiled_accesses(n):
+    def accesses(block, thread):
+        x, y = block[0] * TILE + thread[0], block[1] * TILE + thread[1]
+        reads = []
+        for t in range(n // TILE):
+            reads += [("A", y * n + t * TILE + thread[0]),
+                      ("B", (t * TILE + thread[1]) * n + x)]
+        return reads + [("C", y * n + x)]
+    return accesses
+
+
+n_mm = 64
+launch_shape = dict(grid=(n_mm // TILE, n_mm // TILE), block=(TILE, TILE))
+naive_trace = trace_sectors(naive_accesses(n_mm), **launch_shape)
+tiled_trace = trace_sectors(tiled_accesses(n_mm), **launch_shape)
+print(f"naive: {naive_trace}")
+print(f"tiled: {tiled_trace}")
+print(f"the tiled kernel issues {naive_trace.requests / tiled_trace.requests:.1f}x fewer "
+      f"requests and moves {naive_trace.total_sectors / tiled_trace.total_sectors:.1f}x"
+      f" fewer sectors (TILE = {TILE})")
+
+# %% [markdown]
+# Compare the request counts: the naive kernel issues one request per k for A
+# and one for B, the tiled kernel one per *tile* of TILE values of k, so about
+# TILE times fewer. The naive kernel's requests are cheap (a warp covers two
+# rows of C, so its A loads touch just 2 sectors), which is why the saving in
+# sectors is smaller than the saving in requests. On a real GPU the caches already catch part of
+# the naive kernel's repeated reads, so the time gap is smaller than the sector
+# gap. The next cell measures it on a GPU and shows the reference
+# otherwise; cuBLAS (`torch.matmul`) is timed beside them as the yardstick.
+
+# %%
+if on_gpu:
+    n_gpu = 2048
+    A_d = cuda.to_device(np.random.default_rng(0).standard_normal(
+        (n_gpu, n_gpu), dtype=np.float32))
+    B_d = cuda.to_device(np.random.default_rng(1).standard_normal(
+        (n_gpu, n_gpu), dtype=np.float32))
+    C_d = cuda.device_array((n_gpu, n_gpu), dtype=np.float32)
+    grid2 = (n_gpu // TILE, n_gpu // TILE)
+    times = {
+        "naive": time_kernel(lambda: matmul_naive[grid2, (TILE, TILE)](A_d, B_d, C_d)),
+        "tiled": time_kernel(lambda: matmul_tiled[grid2, (TILE, TILE)](A_d, B_d, C_d)),
+    }
+    At, Bt = torch.randn(n_gpu, n_gpu, device=device), torch.randn(n_gpu, n_gpu, device=device)
+    times["torch.matmul"] = bench(torch.matmul, At, Bt).median
+    for k, v in times.items():
+        print(f"{k:13} {v * 1e3:8.3f} ms  {2 * n_gpu**3 / v / 1e12:6.2f} TFLOP/s")
+    reference.record("01.matmul_2048_ms", {k: v * 1e3 for k, v in times.items()},
+                     "ms", device)
+_ = reference.show("01.matmul_2048_ms", unit="ms")
+
+# %% [markdown]
+# ## 9. SIMD on the CPU, for contrast
+#
+# CPUs parallelise too, in a different way: one **SIMD** instruction (Single
+# Instruction, Multiple Data) adds 4, 8 or 16 floats at once, depending on the
+# register width. A Python loop cannot use it - each `+` goes through the
+# interpreter, checks types and allocates a new float object. NumPy's add is a
+# compiled loop over raw memory that uses SIMD instructions.
+
+# %%
+facts_cpu = cpu_facts()
+print(f"this CPU: {facts_cpu['model']}, widest SIMD {facts_cpu['simd']} = "
+      f"{facts_cpu['simd_bits'] // 32} float32 per instruction")
+
+n_simd = 200_000
+xs = rng.standard_normal(n_simd).astype(np.float32)
+ys = rng.standard_normal(n_simd).astype(np.float32)
+xl, yl = xs.tolist(), ys.tolist()
+
+
+def python_add(x, y):
+    return [a + b for a, b in zip(x, y, strict=True)]
+
+
+t_loop = bench(python_add, xl, yl, min_run_time=0.2).median
+t_numpy = bench(np.add, xs, ys, min_run_time=0.2).median
+print(f"python loop: {t_loop * 1e3:.2f} ms, numpy: {t_numpy * 1e3:.3f} ms, "
+      f"numpy is {t_loop / t_numpy:.0f}x faster")
+
+# %% [markdown]
+# The factor you see is mostly the interpreter's overhead, not SIMD alone: the
+# seed compares hand-written SSE intrinsics with a plain C loop and finds only a
+# modest gain. That also fits the copy curve above: for vectors larger than the
+# caches, an add is limited by memory bandwidth, and wider arithmetic cannot
+# help. A GPU takes the same idea further - a warp is 32 lanes executing one
+# instruction - but each lane has its own thread and may branch (at the cost of
+# divergence), and thousands of warps in flight hide memory latency.
+#
+# ## 10. Amdahl's law
+#
+# If a fraction p of a program's work can be parallelised and the rest cannot,
+# n processors give at best
+#
+# $$ S(n) = \frac{1}{(1 - p) + p / n}, \qquad \lim_{n \to \infty} S(n) = \frac{1}{1-p}. $$
+#
+# The serial part is the shortest stave of the barrel: with p = 0.95, no number
+# of processors beats 20x. Drag the sliders (in a live notebook) to see it.
+
+# %%
+import ipywidgets as widgets
+
+
+def amdahl(p, n):
+    return 1.0 / ((1.0 - p) + p / n)
+
+
+def plot_amdahl(p=0.9, n=8):
+    procs = np.logspace(0, 12, 49, base=2)
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.plot(procs, amdahl(p, procs), label=f"p = {p:.2f}")
+    ax.axhline(1 / (1 - p) if p < 1 else procs[-1], ls="--", color="grey",
+               label="limit 1 / (1 - p)")
+    ax.plot([n], [amdahl(p, n)], "o", color="tab:red",
+            label=f"n = {n}: {amdahl(p, n):.2f}x")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("processors n")
+    ax.set_ylabel("speed-up S(n)")
+    ax.set_title("Amdahl's law: speed-up against processors")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    plt.show()
+
+
+amdahl_plot = widgets.interact(
+    plot_amdahl, p=widgets.FloatSlider(0.9, min=0.0, max=0.99, step=0.01),
+    n=widgets.IntSlider(8, min=1, max=4096))
+
+# %% [markdown]
+# Now a measured point. The job below has a serial part (in the parent process)
+# and a parallel part (pure-Python arithmetic, split into equal chunks over
+# worker processes). We time the serial and the parallel part on one worker to
+# get p for this job, then the same job on two workers, and compare the
+# measured speed-up with Amdahl's prediction for n = 2. Each is the best of
+# three runs, since other programs on the machine can only make a run slower.
+# Processes, not threads: Python's GIL lets only one thread run Python code at
+# a time (Chapter 4).
+
+# %%
+import multiprocessing as mp
+import os
+
+
+def burn(iterations):
+    s = 0
+    for k in range(iterations):
+        s += k * k % 7
+    return s
+
+
+def run_job(workers, serial_iters, parallel_iters, pool):
+    t0 = time.perf_counter()
+    burn(serial_iters)                              # the part that cannot be split
+    t1 = time.perf_counter()
+    chunk = parallel_iters // workers
+    pool.map(burn, [chunk] * workers, chunksize=1)  # the part that can
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+serial_iters, parallel_iters = 200_000, 1_600_000
+if "fork" in mp.get_all_start_methods():
+    with mp.get_context("fork").Pool(2) as pool:
+        pool.map(burn, [1000, 1000])                # start the workers before timing
+        one = min((run_job(1, serial_iters, parallel_iters, pool) for _ in range(3)),
+                  key=sum)
+        two = min((run_job(2, serial_iters, parallel_iters, pool) for _ in range(3)),
+                  key=sum)
+    p_measured = one[1] / sum(one)
+    speedup = sum(one) / sum(two)
+    print(f"1 worker:  {sum(one):.3f} s (parallel fraction p = {p_measured:.2f})")
+    print(f"2 workers: {sum(two):.3f} s -> measured speed-up {speedup:.2f}x, "
+          f"Amdahl predicts {amdahl(p_measured, 2):.2f}x")
+    print(f"load average over the last minute: {os.getloadavg()[0]:.1f} "
+          f"on {usable_cores()} cores")
+    procs = np.arange(1, 9)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(procs, amdahl(p_measured, procs), marker=".",
+            label=f"Amdahl, p = {p_measured:.2f}")
+    ax.plot(procs, procs, ls=":", color="grey", label="perfect scaling")
+    ax.plot([2], [speedup], "o", color="tab:red", ms=9, label="measured, 2 processes")
+    ax.set_xlabel("processes n")
+    ax.set_ylabel("speed-up over 1 process")
+    ax.set_title("Measured speed-up against Amdahl's prediction")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    plt.show()
+else:
+    print("this platform has no 'fork' start method; run the chapter on Linux to measure")
+
+# %% [markdown]
+# The measured point should be close to the prediction, and usually a little
+# below it: handing work to the pool and collecting results is more serial
+# work. If the load average printed above is near the number of cores, other
+# programs are using them and the measured speed-up falls further. Amdahl's law
+# assumes perfect splitting, no overhead and idle processors, so it is an upper
+# bound.
+#
+# ## 11. The same kernel in CUDA C, through pycuda
+#
+# numba compiles Python to GPU code. The classic alternative is to write the
+# kernel in CUDA C and compile it at run time with pycuda's `SourceModule`
+# (which calls `nvcc`). This needs a GPU, the CUDA toolkit and pycuda (see
+# `requirements-gpu.txt`).
+
+# %%
+VECTOR_ADD_CUDA_C = r"""
+__global__ void vector_add(const float *a, const float *b, float *c, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {            // the same bounds guard as in Python
+        c[i] = a[i] + b[i];
+    }
+}
+"""
+
+try:
+    import pycuda.autoinit  # noqa: F401  (creates a context on GPU 0)
+    import pycuda.driver as drv
+    from pycuda.compiler import SourceModule
+    why_not = None if on_gpu else "there is no GPU"
+except ImportError:
+    why_not = "pycuda is not installed (it needs the CUDA toolkit)"
+except Exception as e:  # pycuda present, but no driver or no device
+    why_not = f"pycuda could not start: {e}"
+
+if why_not is None:
+    module = SourceModule(VECTOR_ADD_CUDA_C)
+    vector_add_c = module.get_function("vector_add")
+    n = 1000
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    c = np.empty_like(a)
+    vector_add_c(drv.In(a), drv.In(b), drv.Out(c), np.int32(n),
+                 block=(256, 1, 1), grid=((n + 255) // 256, 1))
+    print("pycuda vector_add matches numpy:", np.allclose(c, a + b))
+else:
+    print(f"Not run: {why_not}. The CUDA C source it would compile:")
+    print(VECTOR_ADD_CUDA_C)
+
+# %% [markdown]
+# Put side by side, the two kernels are the same program: `cuda.grid(1)` is
+# `blockIdx.x * blockDim.x + threadIdx.x`, the guard is the same, and the launch
+# `[blocks, threads]` is CUDA C's `<<<blocks, threads>>>`. `drv.In` and
+# `drv.Out` do the copies in and out.
+#
+# ## Summary
+#
+# - The host launches kernels on the device, which has its own memory: copy
+#   inputs in, launch, copy results out (or keep data on the device).
+# - A launch is a grid of blocks of threads, each up to 3-D; a block holds at
+#   most 1024 threads, and big problems use more blocks. Round the block count
+#   up and guard the index: out-of-bounds threads are silent bugs on a GPU.
+# - Threads run in warps of 32. A warp's memory request costs one 32-byte sector
+#   per distinct sector it touches: neighbouring threads should read
+#   neighbouring addresses (not "16 threads", as the seed says).
+# - A branch costs extra only when it splits a warp; then both paths run.
+# - Registers, shared memory, L2 and HBM trade size for speed; a tiled kernel
+#   reuses data in shared memory and moves far fewer sectors.
+# - SIMD on a CPU and warps on a GPU are the same idea at different scales;
+#   Amdahl's law caps any parallel speed-up by the serial fraction.
+#
+# ## Exercises
+#
+# **Exercise 1.1 - the global index in a 2-D grid.** A kernel runs over a
+# row-major matrix of width `width` with a 2-D grid of 2-D blocks. Return the
+# flat index of the element that thread `thread_idx = (tx, ty)` of block
+# `block_idx = (bx, by)` handles, for blocks of `block_dim = (bdx, bdy)`
+# threads. x is the column, y the row.
+
+# %% tags=["exercise"] exercise="1.1"
+def global_index_2d(block_idx, thread_idx, block_dim, width):
+    ### BEGIN SOLUTION
+    col = block_idx[0] * block_dim[0] + thread_idx[0]
+    row = block_idx[1] * block_dim[1] + thread_idx[1]
+    return row * width + col
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="1.1"
+from course_utils.checks.ch01 import check_global_index_2d
+
+check_global_index_2d(global_index_2d)
+
+# %% [markdown]
+# **Exercise 1.2 - grid and block sizes for n elements.** Return
+# `(blocks, threads_per_block)` for a 1-D launch over `n` elements, one thread
+# per element. Choose the block size yourself, within the hardware's rules and
+# a whole number of warps; launch enough threads, and no block without work.
+
+# %% tags=["exercise"] exercise="1.2"
+def launch_config(n):
+    ### BEGIN SOLUTION
+    threads_per_block = 256
+    blocks = (n + threads_per_block - 1) // threads_per_block
+    return blocks, threads_per_block
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="1.2"
+from course_utils.checks.ch01 import check_launch_config
+
+check_launch_config(launch_config)
+
+# %% [markdown]
+# **Exercise 1.3 - from strided to coalesced.** `n_threads` threads copy
+# `n_threads * per_thread` floats, each thread `per_thread` of them, in steps
+# j = 0, 1, .... The version below gives each thread a contiguous chunk:
+# thread t handles `t * per_thread + j` in step j. It looks tidy, but in each
+# step neighbouring threads are `per_thread` floats apart, so the tracer counts
+# up to 32 sectors per warp request:
+
+# %%
+def strided_element(t, j, n_threads, per_thread):
+    return t * per_thread + j
+
+
+strided = trace_sectors(
+    lambda b, th: [strided_element(b[0] * 128 + th[0], j, 256, 8) for j in range(8)],
+    grid=2, block=128)
+print("strided:", strided)
+
+# %% [markdown]
+# Write `coalesced_element(t, j, n_threads, per_thread)` so that every element
+# is still copied exactly once, and each warp request touches only 4 sectors.
+# (In a kernel, this is the *grid-stride loop*.)
+
+# %% tags=["exercise"] exercise="1.3"
+def coalesced_element(t, j, n_threads, per_thread):
+    ### BEGIN SOLUTION
+    return j * n_threads + t
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="1.3"
+from course_utils.checks.ch01 import check_coalesced_element
+
+check_coalesced_element(coalesced_element)
+
+# %% [markdown]
+# ## Glossary
+#
+# | English | 中文 |
+# | --- | --- |
+# | host / device | 主机 / 设备 |
+# | kernel | 核函数 |
+# | thread / block / grid | 线程 / 线程块 / 网格 |
+# | warp | 线程束 |
+# | streaming multiprocessor (SM) | 流式多处理器 |
+# | coalesced access | 合并访存 |
+# | sector / cache line | 扇区 / 缓存行 |
+# | warp divergence | 线程束分化 |
+# | shared memory | 共享内存 |
+# | global memory (HBM) | 全局内存（高带宽显存） |
+# | register | 寄存器 |
+# | bounds guard | 边界检查 |
+# | Amdahl's law | 阿姆达尔定律 |
