@@ -236,18 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.check:
-            problems = check()
+            problems = check(SOURCE_DIR, NOTEBOOK_DIR)
             for p in problems:
                 print(p)
             if problems:
                 print("notebooks/ is not in sync with source/: run `make notebooks`")
                 return 1
-            print(f"notebooks/ is in sync with source/ ({len(chapter_sources())} chapters)")
+            n = len(chapter_sources(SOURCE_DIR))
+            print(f"notebooks/ is in sync with source/ ({n} chapters)")
             return 0
         only = [s.resolve() for s in args.sources] or None
-        result = build(force=args.force, only=only)
+        result = build(SOURCE_DIR, NOTEBOOK_DIR, force=args.force, only=only)
         if args.solutions:
-            for p in write_solutions(args.solutions, only=only):
+            for p in write_solutions(args.solutions, SOURCE_DIR, only=only):
                 print(f"wrote {p}")
         if result["skipped"]:
             print(f"{len(result['skipped'])} notebook(s) skipped to keep your work")

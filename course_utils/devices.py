@@ -206,10 +206,11 @@ def check_fits(shape, dtype: torch.dtype = torch.float32,
         free = psutil.virtual_memory().available
         where = f"this machine has {format_bytes(free)} of RAM available"
     if need > FIT_FRACTION * free:
-        raise DoesNotFit(
-            f"{copies} x {list(shape) if not isinstance(shape, int) else [shape]} "
-            f"{str(dtype).replace('torch.', '')} needs {format_bytes(need)}, but "
-            f"{where}: choose a smaller size.")
+        dims = list(shape) if isinstance(shape, (tuple, list, torch.Size)) else [shape]
+        what = f"{'x'.join(map(str, dims))} {str(dtype).replace('torch.', '')}"
+        what = f"{copies} tensors of {what}" if copies > 1 else f"a {what} tensor"
+        raise DoesNotFit(f"{what} needs {format_bytes(need)}, but {where}: "
+                         "choose a smaller size.")
     return need
 
 

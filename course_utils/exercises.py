@@ -50,8 +50,13 @@ def passed(exercise: str, note: str = "") -> None:
     print(f"{GREEN}Exercise {exercise} passed.{RESET}" + (f" {note}" if note else ""))
 
 
-def call_learner(exercise: str, fn: Callable, *args, **kwargs):
-    """Call the learner's function; turn what it raises into a friendly failure."""
+def call_learner(exercise: str, fn: Callable, *args,
+                 hints: dict[str, str] | None = None, **kwargs):
+    """Call the learner's function; turn what it raises into a friendly failure.
+
+    ``hints`` maps a piece of an error message to the hint shown when the
+    learner's code raises an error containing it (a known typical mistake).
+    """
     if not callable(fn):
         fail(exercise, "a function", f"{type(fn).__name__} {fn!r}",
              "run the exercise cell that defines it first")
@@ -71,9 +76,11 @@ def call_learner(exercise: str, fn: Callable, *args, **kwargs):
                 line = tb.tb_lineno
             tb = tb.tb_next
         where = f" (line {line} of the exercise cell)" if line else ""
+        hint = next((h for key, h in (hints or {}).items() if key in str(e)),
+                    "fix that error and run the exercise cell again")
         fail(exercise, f"{getattr(fn, '__name__', 'your function')} to run",
              f"it raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-             f"{where}", "fix the error above and run the exercise cell again")
+             f"{where}", hint)
 
 
 def check_type(exercise: str, value, kind: type | tuple, what: str = "the result"):

@@ -45,10 +45,9 @@ class CellOutcome:
 def _message(excinfo) -> str:
     exc = excinfo.value
     text = getattr(exc, "inner_traceback", None) or str(exc)
-    text = ANSI.sub("", text).strip()
-    if "Timeout of" in str(exc):
-        text = f"{exc} (an endless loop, or a wait that never ends?)\n{text}"
-    return text
+    if "Timeout of" in str(exc):  # the interrupted traceback would only confuse
+        return f"{exc} (an endless loop, or a wait that never ends?)"
+    return ANSI.sub("", text).strip()
 
 
 def _record(item, report, excinfo) -> None:
@@ -120,9 +119,13 @@ def exercise_results(cells: list[CellOutcome]) -> list[ExerciseResult]:
         if "exercise" in c.tags and c.outcome == "failed":
             broken[(c.notebook, c.exercise)] = c.message
         elif "check" in c.tags:
-            msg = broken.get((c.notebook, c.exercise)) or c.message
+            msg = c.message
             if (c.notebook, c.exercise) in broken:
-                msg = "your exercise cell raised an error:\n" + msg
+                msg = ("your exercise cell raised an error:\n"
+                       + broken[(c.notebook, c.exercise)])
+            elif c.outcome == "skipped":
+                msg = ("not graded: an earlier cell did not finish in time, so nbval "
+                       "stopped trusting the kernel; fix that one and grade again")
             results.append(ExerciseResult(c.notebook, str(c.exercise),
                                           c.outcome == "passed", msg))
     return results

@@ -1,0 +1,76 @@
+"""course_utils.bench: timing that waits for the device."""
+
+import time
+
+import pytest
+import torch
+
+from course_utils import Benchmark, Timing, bench, sweep
+
+
+def test_benchmark_measures_a_known_duration(capsys):
+    with Benchmark("sleep", device="cpu") as b:
+        time.sleep(0.05)
+    assert 0.045 < b.elapsed < 0.5
+    assert capsys.readouterr().out.startswith("sleep: 0.0")
+
+
+def test_benchmark_unsynchronised_says_so(capsys):
+    with Benchmark("trap", device="cpu", sync=False):
+        pass
+    assert "(not synchronised)" in capsys.readouterr().out
+
+
+def test_benchmark_quiet_returns_elapsed(capsys):
+    with Benchmark(verbose=False) as b:
+        torch.ones(100).sum()
+    assert b.elapsed is not None and b.elapsed >= 0
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_benchmark_waits_for_queued_gpu_work():
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with Benchmark(verbose=False, device="cuda") as synced:
+        start.record()
+        for _ in range(20):
+            x = x @ x / 4096
+        end.record()
+    torch.cuda.synchronize()
+    gpu_seconds = start.elapsed_time(end) / 1e3
+    assert synced.elapsed >= 0.9 * gpu_seconds
+    with Benchmark(verbose=False, device="cuda", sync=False) as unsynced:
+        for _ in range(20):
+            x = x @ x / 4096
+    torch.cuda.synchronize()
+    assert unsynced.elapsed < 0.5 * gpu_seconds  # only the launches were timed
+
+
+def test_bench_reports_median_of_a_sleep():
+    t = bench(time.sleep, 0.01, min_run_time=0.1, label="sleep 10 ms")
+    assert isinstance(t, Timing)
+    assert 0.009 < t.median < 0.05
+    assert t.num_threads == torch.get_num_threads()
+    assert len(t.times) >= 2 and t.iqr >= 0
+    assert "sleep 10 ms: median" in str(t)
+
+
+def test_bench_warms_up_before_timing():
+    calls = []
+
+    def first_call_is_slow():
+        calls.append(1)
+        time.sleep(0.2 if len(calls) == 1 else 0.001)
+
+    t = bench(first_call_is_slow, min_run_time=0.05, warmup=1)
+    assert t.median < 0.05
+
+
+def test_sweep_returns_plain_lists():
+    s = sweep(lambda n: bench(torch.ones, n, min_run_time=0.02), [10, 100],
+              label="ones", progress=False)
+    assert s.sizes == [10, 100] and len(s.median) == 2 and len(s.iqr) == 2
+    s2 = sweep(lambda n: n * 1e-3, [1, 2], progress=False)
+    assert s2.median == [1e-3, 2e-3]

@@ -1,0 +1,147 @@
+"""course_utils.build: stubs, the exercise rules, the sync check, learners' work."""
+
+import json
+import textwrap
+
+import pytest
+
+from course_utils import build
+
+SOURCE = textwrap.dedent('''\
+    # %% [markdown]
+    # # A chapter
+
+    # %%
+    import math
+
+    # %% tags=["exercise"] exercise="7.1"
+    def area(r):
+        """Area of a circle."""
+        ### BEGIN SOLUTION
+        return math.pi * r**2
+        ### END SOLUTION
+
+    # %% tags=["check"] exercise="7.1"
+    assert abs(area(1) - math.pi) < 1e-9
+    ''')
+
+
+@pytest.fixture
+def course(tmp_path):
+    src, nbs = tmp_path / "source", tmp_path / "notebooks"
+    src.mkdir()
+    (src / "07_demo.py").write_text(SOURCE)
+    build.build(src, nbs, backup_dir=tmp_path / "backups")
+    return src, nbs, tmp_path / "backups"
+
+
+def cells(path):
+    return json.loads(path.read_text())["cells"]
+
+
+def test_stub_keeps_indentation_and_names_exercise(course):
+    _, nbs, _ = course
+    ex = [c for c in cells(nbs / "07_demo.ipynb") if "exercise" in c["metadata"].get("tags", [])]
+    src = "".join(ex[0]["source"])
+    assert '    raise NotImplementedError("Exercise 7.1")' in src
+    assert "math.pi * r**2" not in src and "BEGIN SOLUTION" not in src
+    assert '"""Area of a circle."""' in src
+
+
+def test_notebook_is_clean_and_marked(course):
+    _, nbs, _ = course
+    nb = json.loads((nbs / "07_demo.ipynb").read_text())
+    assert nb["metadata"]["course"]["generated_from"] == "source/07_demo.py"
+    assert "Generated from `source/07_demo.py`" in "".join(nb["cells"][0]["source"])
+    for c in nb["cells"]:
+        assert not c.get("outputs") and c.get("execution_count") is None
+
+
+def test_solutions_keep_the_code(course, tmp_path):
+    src, _, _ = course
+    (path,) = build.write_solutions(tmp_path / "sol", src)
+    assert "math.pi * r**2" in path.read_text()
+
+
+def test_check_detects_hand_edit_missing_and_extra(course):
+    src, nbs, _ = course
+    assert build.check(src, nbs) == []
+    nb = nbs / "07_demo.ipynb"
+    nb.write_text(nb.read_text().replace("A chapter", "A chapter, edited"))
+    assert "differs" in build.check(src, nbs)[0]
+    nb.unlink()
+    assert "missing" in build.check(src, nbs)[0]
+    (nbs / "99_orphan.ipynb").write_text("{}")
+    assert any("no source" in p for p in build.check(src, nbs))
+
+
+def test_check_cli_exits_nonzero_naming_files(course, monkeypatch, capsys):
+    src, nbs, _ = course
+    monkeypatch.setattr(build, "SOURCE_DIR", src)
+    monkeypatch.setattr(build, "NOTEBOOK_DIR", nbs)
+    assert build.main(["--check"]) == 0
+    nb = nbs / "07_demo.ipynb"
+    nb.write_text(nb.read_text().replace("A chapter", "A chapter, edited"))
+    assert build.main(["--check"]) == 1
+    assert "07_demo.ipynb: differs" in capsys.readouterr().out
+
+
+def test_learner_work_is_kept(course, capsys):
+    src, nbs, backups = course
+    nb_path = nbs / "07_demo.ipynb"
+    nb = json.loads(nb_path.read_text())
+    for c in nb["cells"]:
+        if "exercise" in c["metadata"].get("tags", []):
+            c["source"] = "def area(r):\n    return 3.14 * r * r\n"
+    nb_path.write_text(json.dumps(nb))
+    (src / "07_demo.py").write_text(SOURCE.replace("A chapter", "A better chapter"))
+    result = build.build(src, nbs, backup_dir=backups)
+    assert result["skipped"] == [nb_path]
+    assert "3.14 * r * r" in nb_path.read_text()
+    assert "exercise(s) 7.1 hold your work" in capsys.readouterr().out
+    result = build.build(src, nbs, force=True, backup_dir=backups)
+    assert result["written"] == [nb_path]
+    (backup,) = backups.iterdir()
+    assert "3.14 * r * r" in backup.read_text()
+    assert "A better chapter" in nb_path.read_text()
+
+
+def test_untouched_notebook_is_regenerated(course):
+    src, nbs, backups = course
+    (src / "07_demo.py").write_text(SOURCE.replace("A chapter", "A new title"))
+    result = build.build(src, nbs, backup_dir=backups)
+    assert result["written"] and not backups.exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ('# %% tags=["check"] exercise="7.1"\n', "must be followed"),
+    ('exercise="7.1"', "must be '7.1'"),
+])
+def test_exercise_rules_are_enforced(tmp_path, change, message):
+    if change.startswith("# %%"):
+        text = SOURCE.replace(change, '# %%\n')
+    else:
+        text = SOURCE.replace(change, 'exercise="7.2"', 1)
+    path = tmp_path / "07_demo.py"
+    path.write_text(text)
+    with pytest.raises(build.BuildError, match=message):
+        build.generate(path)
+
+
+def test_duplicate_ids_are_refused(tmp_path):
+    text = SOURCE + SOURCE.split("# %%\nimport math\n")[1]
+    path = tmp_path / "07_demo.py"
+    path.write_text(text)
+    with pytest.raises(build.BuildError, match="must be '7.2'"):
+        build.generate(path)
+
+
+def test_unbalanced_markers_are_refused():
+    with pytest.raises(build.BuildError):
+        build.stub_solutions("    ### BEGIN SOLUTION\n    x = 1\n", "7.1")
+
+
+def test_the_course_notebooks_are_in_sync():
+    """The sync gate: notebooks/ is exactly what source/ generates."""
+    problems = build.check()
+    assert not problems, "\n".join(problems) + "\nrun `make notebooks`"

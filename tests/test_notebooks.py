@@ -1,0 +1,71 @@
+"""The notebook gates.
+
+- the solution notebooks pass every cell under nbval;
+- the learner notebooks fail exactly their check cells, and nothing else (no
+  check is vacuous, and nothing else depends on an unsolved exercise);
+- the committed notebooks are clean (no outputs, no execution counts);
+- (the sync gate is in test_build.py; the exercise rules are enforced by the build)
+"""
+
+import json
+import time
+
+import pytest
+
+from course_utils import build
+from course_utils.grade import run_notebooks
+
+CHAPTERS = build.chapter_sources()
+BUDGET_S = 90  # a chapter's design budget is 60 s on a 2-core machine; 50% slack
+
+
+@pytest.fixture(scope="session")
+def solution_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("solutions")
+    build.write_solutions(out)
+    return out
+
+
+def describe(cells):
+    return "\n".join(f"cell {c.cell}: {c.message[-600:]}" for c in cells)
+
+
+@pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
+def test_solution_notebook_passes_every_cell(source, solution_dir):
+    start = time.perf_counter()
+    cells = run_notebooks([solution_dir / f"{source.stem}.ipynb"])
+    seconds = time.perf_counter() - start
+    failed = [c for c in cells if c.outcome != "passed"]
+    assert cells, "nbval collected no cells"
+    assert not failed, describe(failed)
+    assert seconds < BUDGET_S, f"{source.stem} took {seconds:.0f} s under nbval"
+
+
+@pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
+def test_learner_notebook_fails_exactly_its_checks(source):
+    cells = run_notebooks([build.NOTEBOOK_DIR / f"{source.stem}.ipynb"])
+    failed = {c.cell for c in cells if c.outcome == "failed"}
+    checks = {c.cell for c in cells if "check" in c.tags}
+    assert checks, f"{source.stem} has no graded exercise"
+    assert not failed - checks, "cells that fail without a solution:\n" + describe(
+        [c for c in cells if c.cell in failed - checks])
+    assert not checks - failed, "check cells that pass with no solution (vacuous):\n" + \
+        "\n".join(c.source for c in cells if c.cell in checks - failed)
+    for c in cells:
+        if c.cell in checks:
+            assert f"Exercise {c.exercise}" in c.message and "placeholder" in c.message, \
+                f"check {c.exercise} fails without naming the unsolved exercise:\n{c.message}"
+
+
+@pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_has_graded_exercises(source):
+    nb = build.jupytext.read(source, fmt="py:percent")
+    exercises = build.lint(nb, int(source.name[:2]), source.name)
+    assert len(exercises) >= 2
+
+
+def test_committed_notebooks_are_clean():
+    for path in sorted(build.NOTEBOOK_DIR.glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            assert not cell.get("outputs"), f"{path.name} has outputs"
+            assert cell.get("execution_count") is None, f"{path.name} was executed"
