@@ -41,8 +41,13 @@ class Benchmark:
     Prints like d2l's ``Benchmark`` unless ``verbose=False``.
     """
 
-    def __init__(self, description: str = "Done", device=None, sync: bool = True,
-                 verbose: bool = True):
+    def __init__(
+        self,
+        description: str = "Done",
+        device=None,
+        sync: bool = True,
+        verbose: bool = True,
+    ):
         self.description = description
         if device is None:
             self.devices = try_all_gpus()
@@ -81,9 +86,11 @@ class Timing:
     num_threads: int = 1
 
     def __str__(self) -> str:
-        return (f"{self.label}: median {_fmt_s(self.median)} per call, "
-                f"IQR {_fmt_s(self.iqr)} over {len(self.times)} runs "
-                f"of {self.number_per_run} ({self.num_threads} CPU threads)")
+        return (
+            f"{self.label}: median {_fmt_s(self.median)} per call, "
+            f"IQR {_fmt_s(self.iqr)} over {len(self.times)} runs "
+            f"of {self.number_per_run} ({self.num_threads} CPU threads)"
+        )
 
 
 def _fmt_s(s: float) -> str:
@@ -93,8 +100,15 @@ def _fmt_s(s: float) -> str:
     return f"{s / 1e-9:.3g} ns"
 
 
-def bench(fn: Callable, *args, label: str | None = None, min_run_time: float = 0.2,
-          warmup: int = 1, num_threads: int | None = None, **kwargs) -> Timing:
+def bench(
+    fn: Callable,
+    *args,
+    label: str | None = None,
+    min_run_time: float = 0.2,
+    warmup: int = 1,
+    num_threads: int | None = None,
+    **kwargs,
+) -> Timing:
     """Median time of ``fn(*args, **kwargs)`` with torch.utils.benchmark. Chapter 0.
 
     Warm-up calls run first (caches, lazy initialisation, cuDNN autotuning).
@@ -106,13 +120,21 @@ def bench(fn: Callable, *args, label: str | None = None, min_run_time: float = 0
     for _ in range(warmup):
         fn(*args, **kwargs)
     threads = num_threads or torch.get_num_threads()
-    timer = tub.Timer(stmt="fn(*args, **kwargs)",
-                      globals={"fn": fn, "args": args, "kwargs": kwargs},
-                      num_threads=threads, label=label or getattr(fn, "__name__", "fn"))
+    timer = tub.Timer(
+        stmt="fn(*args, **kwargs)",
+        globals={"fn": fn, "args": args, "kwargs": kwargs},
+        num_threads=threads,
+        label=label or getattr(fn, "__name__", "fn"),
+    )
     m = timer.blocked_autorange(min_run_time=min_run_time)
-    return Timing(label=label or getattr(fn, "__name__", "fn"), median=m.median,
-                  iqr=m.iqr, times=list(m.times), number_per_run=m.number_per_run,
-                  num_threads=threads)
+    return Timing(
+        label=label or getattr(fn, "__name__", "fn"),
+        median=m.median,
+        iqr=m.iqr,
+        times=list(m.times),
+        number_per_run=m.number_per_run,
+        num_threads=threads,
+    )
 
 
 @dataclass
@@ -125,8 +147,12 @@ class Sweep:
     iqr: list[float]
 
 
-def sweep(measure: Callable[[int], Timing | float], sizes: Sequence, label: str = "",
-          progress: bool = True) -> Sweep:
+def sweep(
+    measure: Callable[[int], Timing | float],
+    sizes: Sequence,
+    label: str = "",
+    progress: bool = True,
+) -> Sweep:
     """Call ``measure(size)`` for each size, with a progress bar. Chapter 2.
 
     ``measure`` returns a ``Timing`` (from ``bench``) or plain seconds.

@@ -84,32 +84,44 @@ def lint(nb, chapter: int, name: str) -> list[tuple[str, int, int]]:
         tags = cell.metadata.get("tags", [])
         if "exercise" not in tags:
             if BEGIN in cell.source:
-                raise BuildError(f"{name}: cell {i} has a solution block but no "
-                                 "'exercise' tag")
+                raise BuildError(
+                    f"{name}: cell {i} has a solution block but no 'exercise' tag"
+                )
             continue
         ex = str(cell.metadata.get("exercise", ""))
         expected = f"{chapter}.{len(found) + 1}"
         if ex != expected:
-            raise BuildError(f"{name}: exercise cell {i} has id {ex!r}; the next "
-                             f"exercise of chapter {chapter} must be {expected!r}")
+            raise BuildError(
+                f"{name}: exercise cell {i} has id {ex!r}; the next "
+                f"exercise of chapter {chapter} must be {expected!r}"
+            )
         if BEGIN not in cell.source:
             raise BuildError(f"{name}: exercise {ex} has no {BEGIN} block")
         nxt = code[pos + 1] if pos + 1 < len(code) else None
         check = nb.cells[nxt] if nxt is not None else None
-        if (check is None or "check" not in check.metadata.get("tags", [])
-                or str(check.metadata.get("exercise")) != ex):
-            raise BuildError(f"{name}: exercise {ex} must be followed by a code cell "
-                             f'tagged "check" with exercise="{ex}"')
+        if (
+            check is None
+            or "check" not in check.metadata.get("tags", [])
+            or str(check.metadata.get("exercise")) != ex
+        ):
+            raise BuildError(
+                f"{name}: exercise {ex} must be followed by a code cell "
+                f'tagged "check" with exercise="{ex}"'
+            )
         found.append((ex, i, nxt))
     return found
 
 
 def marker_cell(source_name: str):
-    text = (f"<small>Generated from `source/{source_name}` by "
-            "`python -m course_utils.build`. Learners: work here; regenerating "
-            "never overwrites your exercise answers. Instructors: edit the "
-            "source, not this notebook.</small>")
-    return nbformat.v4.new_markdown_cell(text, id="generated", metadata={"tags": ["generated"]})
+    text = (
+        f"<small>Generated from `source/{source_name}` by "
+        "`python -m course_utils.build`. Learners: work here; regenerating "
+        "never overwrites your exercise answers. Instructors: edit the "
+        "source, not this notebook.</small>"
+    )
+    return nbformat.v4.new_markdown_cell(
+        text, id="generated", metadata={"tags": ["generated"]}
+    )
 
 
 def generate(source: Path, solutions: bool = False) -> str:
@@ -132,12 +144,21 @@ def generate(source: Path, solutions: bool = False) -> str:
             cells.append(nbformat.v4.new_markdown_cell(src, id=cid, metadata=meta))
         else:
             cells.append(nbformat.v4.new_code_cell(src, id=cid, metadata=meta))
-    out = nbformat.v4.new_notebook(cells=cells, metadata={
-        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-        "language_info": {"name": "python"},
-        "course": {"generated_from": f"source/{source.name}",
-                   "solutions": solutions},
-    })
+    out = nbformat.v4.new_notebook(
+        cells=cells,
+        metadata={
+            "kernelspec": {
+                "display_name": "Python 3",
+                "language": "python",
+                "name": "python3",
+            },
+            "language_info": {"name": "python"},
+            "course": {
+                "generated_from": f"source/{source.name}",
+                "solutions": solutions,
+            },
+        },
+    )
     out.nbformat_minor = 5
     nbformat.validate(out)
     return nbformat.writes(out) + "\n"
@@ -161,9 +182,13 @@ def target_for(source: Path, notebook_dir: Path = NOTEBOOK_DIR) -> Path:
     return notebook_dir / f"{source.stem}.ipynb"
 
 
-def build(source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR,
-          force: bool = False, backup_dir: Path = BACKUP_DIR,
-          only: list[Path] | None = None) -> dict[str, list[Path]]:
+def build(
+    source_dir: Path = SOURCE_DIR,
+    notebook_dir: Path = NOTEBOOK_DIR,
+    force: bool = False,
+    backup_dir: Path = BACKUP_DIR,
+    only: list[Path] | None = None,
+) -> dict[str, list[Path]]:
     """Regenerate the learner notebooks (all, or ``only`` those sources).
 
     Returns what was written, left unchanged and skipped.
@@ -178,8 +203,10 @@ def build(source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR,
                 continue
             edited = learner_edits(target)
             if edited and not force:
-                print(f"skipped {target}: exercise(s) {', '.join(edited)} hold your work "
-                      "(use --force to overwrite it; a backup is kept)")
+                print(
+                    f"skipped {target}: exercise(s) {', '.join(edited)} hold your work "
+                    "(use --force to overwrite it; a backup is kept)"
+                )
                 result["skipped"].append(target)
                 continue
             if edited:
@@ -194,8 +221,9 @@ def build(source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR,
     return result
 
 
-def write_solutions(out_dir: Path, source_dir: Path = SOURCE_DIR,
-                    only: list[Path] | None = None) -> list[Path]:
+def write_solutions(
+    out_dir: Path, source_dir: Path = SOURCE_DIR, only: list[Path] | None = None
+) -> list[Path]:
     """Write solution notebooks (for the test gates) into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -206,10 +234,14 @@ def write_solutions(out_dir: Path, source_dir: Path = SOURCE_DIR,
     return paths
 
 
-def check(source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR) -> list[str]:
+def check(
+    source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR
+) -> list[str]:
     """Problems that make ``notebooks/`` differ from what ``build`` would write."""
     problems = []
-    expected = {target_for(s, notebook_dir).name: s for s in chapter_sources(source_dir)}
+    expected = {
+        target_for(s, notebook_dir).name: s for s in chapter_sources(source_dir)
+    }
     for name, source in expected.items():
         target = notebook_dir / name
         if not target.exists():
@@ -223,16 +255,31 @@ def check(source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_utils.build",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("sources", nargs="*", type=Path,
-                        help="chapter sources to build (default: all of source/)")
-    parser.add_argument("--check", action="store_true",
-                        help="only check that notebooks/ is what the sources generate")
-    parser.add_argument("--force", action="store_true",
-                        help="overwrite notebooks holding learners' work (backed up first)")
-    parser.add_argument("--solutions", metavar="DIR", type=Path,
-                        help="also write solution notebooks into DIR")
+    parser = argparse.ArgumentParser(
+        prog="python -m course_utils.build", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "sources",
+        nargs="*",
+        type=Path,
+        help="chapter sources to build (default: all of source/)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only check that notebooks/ is what the sources generate",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite notebooks holding learners' work (backed up first)",
+    )
+    parser.add_argument(
+        "--solutions",
+        metavar="DIR",
+        type=Path,
+        help="also write solution notebooks into DIR",
+    )
     args = parser.parse_args(argv)
     try:
         if args.check:

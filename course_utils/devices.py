@@ -44,8 +44,10 @@ def try_gpu(i: int = 0) -> torch.device:
     if i < n:
         return torch.device(f"cuda:{i}")
     if i > 0 or n > 0:
-        print(f"try_gpu({i}): this machine has {n} GPU(s), so there is no GPU {i};"
-              " using the CPU.")
+        print(
+            f"try_gpu({i}): this machine has {n} GPU(s), so there is no GPU {i};"
+            " using the CPU."
+        )
     return torch.device("cpu")
 
 
@@ -144,7 +146,10 @@ def pycuda_facts() -> list[dict] | str:
     try:
         import pycuda.driver as cuda
     except ImportError:
-        return "pycuda is not installed (it needs the CUDA toolkit: see requirements-gpu.txt)"
+        return (
+            "pycuda is not installed (it needs the CUDA toolkit: "
+            "see requirements-gpu.txt)"
+        )
     try:
         cuda.init()
         devices = []
@@ -155,16 +160,28 @@ def pycuda_facts() -> list[dict] | str:
                 free, total = cuda.mem_get_info()
             finally:
                 ctx.pop()
-            attributes = {str(k).split(".")[-1]: v for k, v in dev.get_attributes().items()}
-            devices.append({"id": i, "name": dev.name(), "memory_total": total,
-                            "memory_free": free, "attributes": attributes})
+            attributes = {
+                str(k).split(".")[-1]: v for k, v in dev.get_attributes().items()
+            }
+            devices.append(
+                {
+                    "id": i,
+                    "name": dev.name(),
+                    "memory_total": total,
+                    "memory_free": free,
+                    "attributes": attributes,
+                }
+            )
         return devices
     except cuda.Error as e:  # a driver without a GPU, or a GPU in use elsewhere
         return f"pycuda is installed but the CUDA driver says: {e}"
 
 
 def kernel_target() -> str:
-    """Where numba's ``@cuda.jit`` kernels run: ``'GPU'`` or ``'simulator'``. Chapter 1."""
+    """Where numba's ``@cuda.jit`` kernels run: ``'GPU'`` or ``'simulator'``.
+
+    Chapter 1.
+    """
     return "simulator" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "GPU"
 
 
@@ -181,8 +198,12 @@ def select_kernel_target() -> None:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if torch.cuda.is_available() else "1"
 
 
-def check_fits(shape, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", copies: int = 1) -> int:
+def check_fits(
+    shape,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    copies: int = 1,
+) -> int:
     """Refuse, in one line, a tensor that would not fit; return its size in bytes.
 
     ``copies`` counts tensors of this size alive at once (``a + b`` makes a
@@ -191,7 +212,7 @@ def check_fits(shape, dtype: torch.dtype = torch.float32,
     """
     device = torch.device(device)
     numel = 1
-    for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else [shape]):
+    for s in shape if isinstance(shape, (tuple, list, torch.Size)) else [shape]:
         if int(s) < 0:
             raise DoesNotFit(f"shape {tuple(shape)} has a negative size")
         numel *= int(s)
@@ -209,8 +230,9 @@ def check_fits(shape, dtype: torch.dtype = torch.float32,
         dims = list(shape) if isinstance(shape, (tuple, list, torch.Size)) else [shape]
         what = f"{'x'.join(map(str, dims))} {str(dtype).replace('torch.', '')}"
         what = f"{copies} tensors of {what}" if copies > 1 else f"a {what} tensor"
-        raise DoesNotFit(f"{what} needs {format_bytes(need)}, but {where}: "
-                         "choose a smaller size.")
+        raise DoesNotFit(
+            f"{what} needs {format_bytes(need)}, but {where}: choose a smaller size."
+        )
     return need
 
 
@@ -222,14 +244,22 @@ def banner() -> str:
     n = gpu_count()
     if n == 0:
         ref = reference.recorded_devices()
-        shown = (f"GPU cells show reference results recorded on {', '.join(ref)}"
-                 if ref else "no GPU reference results recorded yet")
+        shown = (
+            f"GPU cells show reference results recorded on {', '.join(ref)}"
+            if ref
+            else "no GPU reference results recorded yet"
+        )
         line = f"CPU only ({cpu}) - {shown}; CUDA kernels run on numba's simulator"
     else:
         names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
-        line = (f"{n} GPU{'s' if n > 1 else ''} ({', '.join(names)}) + CPU ({cpu})"
-                f" - GPU cells run for real"
-                + ("; multi-device cells pair the GPU with CPU processes" if n == 1
-                   else "; collectives use nccl"))
+        line = (
+            f"{n} GPU{'s' if n > 1 else ''} ({', '.join(names)}) + CPU ({cpu})"
+            f" - GPU cells run for real"
+            + (
+                "; multi-device cells pair the GPU with CPU processes"
+                if n == 1
+                else "; collectives use nccl"
+            )
+        )
     print(line)
     return line

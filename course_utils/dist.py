@@ -8,7 +8,7 @@ inside an initialised process group, as torchrun would run a script:
   functions defined in the notebook work; otherwise ``spawn`` for a function
   importable from a module, or a one-line refusal where the ranks need CUDA;
 - rendezvous on a free port of 127.0.0.1 (``MASTER_ADDR``, ``MASTER_PORT``,
-  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` are set in each rank);
+  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` are set);
 - backend ``nccl`` when there is a GPU per rank, ``gloo`` otherwise (printed);
 - each rank's stdout and stderr (C-level output too) and its return value come
   back as plain data; tensors are moved to the CPU first;
@@ -134,7 +134,8 @@ def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist = torch.distributed
     result = {"ok": True, "value": None}

@@ -25,12 +25,20 @@ class ExerciseFailed(FriendlyError, AssertionError):
     """
 
     def __init__(self, exercise: str, expected: str, seen: str, hint: str = ""):
-        self.exercise, self.expected, self.seen, self.hint = exercise, expected, seen, hint
+        self.exercise, self.expected, self.seen, self.hint = (
+            exercise,
+            expected,
+            seen,
+            hint,
+        )
         super().__init__(self.message())
 
     def message(self) -> str:
-        lines = [f"Exercise {self.exercise} is not solved yet.",
-                 f"  expected: {self.expected}", f"  seen:     {self.seen}"]
+        lines = [
+            f"Exercise {self.exercise} is not solved yet.",
+            f"  expected: {self.expected}",
+            f"  seen:     {self.seen}",
+        ]
         if self.hint:
             lines.append(f"  hint:     {self.hint}")
         return "\n".join(lines)
@@ -50,45 +58,68 @@ def passed(exercise: str, note: str = "") -> None:
     print(f"{GREEN}Exercise {exercise} passed.{RESET}" + (f" {note}" if note else ""))
 
 
-def call_learner(exercise: str, fn: Callable, *args,
-                 hints: dict[str, str] | None = None, **kwargs):
+def call_learner(
+    exercise: str, fn: Callable, *args, hints: dict[str, str] | None = None, **kwargs
+):
     """Call the learner's function; turn what it raises into a friendly failure.
 
     ``hints`` maps a piece of an error message to the hint shown when the
     learner's code raises an error containing it (a known typical mistake).
     """
     if not callable(fn):
-        fail(exercise, "a function", f"{type(fn).__name__} {fn!r}",
-             "run the exercise cell that defines it first")
+        fail(
+            exercise,
+            "a function",
+            f"{type(fn).__name__} {fn!r}",
+            "run the exercise cell that defines it first",
+        )
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
-        fail(exercise, "your solution in the exercise cell",
-             "the placeholder `raise NotImplementedError`",
-             "replace that line with your code and run the exercise cell again")
+        fail(
+            exercise,
+            "your solution in the exercise cell",
+            "the placeholder `raise NotImplementedError`",
+            "replace that line with your code and run the exercise cell again",
+        )
     except ExerciseFailed:
         raise
     except Exception as e:  # the learner's code raised: name it, skip torch's internals
         tb = e.__traceback__
         line = None
         while tb is not None:  # the last frame of the learner's own cell
-            if tb.tb_frame.f_code.co_filename.startswith(("<ipython-input", "/tmp/ipykernel")):
+            if tb.tb_frame.f_code.co_filename.startswith(
+                ("<ipython-input", "/tmp/ipykernel")
+            ):
                 line = tb.tb_lineno
             tb = tb.tb_next
         where = f" (line {line} of the exercise cell)" if line else ""
-        hint = next((h for key, h in (hints or {}).items() if key in str(e)),
-                    "fix that error and run the exercise cell again")
-        fail(exercise, f"{getattr(fn, '__name__', 'your function')} to run",
-             f"it raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-             f"{where}", hint)
+        hint = next(
+            (h for key, h in (hints or {}).items() if key in str(e)),
+            "fix that error and run the exercise cell again",
+        )
+        fail(
+            exercise,
+            f"{getattr(fn, '__name__', 'your function')} to run",
+            f"it raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f"{where}",
+            hint,
+        )
 
 
 def check_type(exercise: str, value, kind: type | tuple, what: str = "the result"):
     """Fail unless ``value`` is an instance of ``kind``."""
     if not isinstance(value, kind):
-        names = (" or ".join(k.__name__ for k in kind) if isinstance(kind, tuple)
-                 else kind.__name__)
-        fail(exercise, f"{what} to be a {names}", f"a {type(value).__name__}: {value!r:.80}")
+        names = (
+            " or ".join(k.__name__ for k in kind)
+            if isinstance(kind, tuple)
+            else kind.__name__
+        )
+        fail(
+            exercise,
+            f"{what} to be a {names}",
+            f"a {type(value).__name__}: {value!r:.80}",
+        )
     return value
 
 
@@ -108,8 +139,9 @@ def check_dtype(exercise: str, t: torch.Tensor, dtype: torch.dtype, what="the re
     return t
 
 
-def check_device(exercise: str, t, device: torch.device | str, what="the result",
-                 hint: str = ""):
+def check_device(
+    exercise: str, t, device: torch.device | str, what="the result", hint: str = ""
+):
     """Fail unless ``t`` (a tensor or a module's parameters) is on ``device``."""
     device = torch.device(device)
     if isinstance(t, torch.nn.Module):
@@ -118,13 +150,24 @@ def check_device(exercise: str, t, device: torch.device | str, what="the result"
         seen = {check_type(exercise, t, torch.Tensor, what).device}
     same = all(d.type == device.type and device.index in (None, d.index) for d in seen)
     if not same:
-        fail(exercise, f"{what} on {device}", f"on {', '.join(map(str, sorted(seen, key=str)))}",
-             hint or "move it with .to(device)")
+        fail(
+            exercise,
+            f"{what} on {device}",
+            f"on {', '.join(map(str, sorted(seen, key=str)))}",
+            hint or "move it with .to(device)",
+        )
     return t
 
 
-def check_close(exercise: str, seen, expected, rtol: float = 1e-5, atol: float = 1e-6,
-                what: str = "the result", hint: str = ""):
+def check_close(
+    exercise: str,
+    seen,
+    expected,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    what: str = "the result",
+    hint: str = "",
+):
     """Fail unless ``seen`` equals ``expected`` within the tolerances.
 
     Numbers or tensors; tensors are compared on the CPU after a shape check,
@@ -136,14 +179,20 @@ def check_close(exercise: str, seen, expected, rtol: float = 1e-5, atol: float =
         if not torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
             diff = (a - b).abs().nan_to_num(float("inf"))
             idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
-            fail(exercise, f"{what} equal to the reference (rtol={rtol}, atol={atol})",
-                 f"a largest difference of {diff.max().item():.3g} at index {idx}: "
-                 f"{a[idx].item():.6g} instead of {b[idx].item():.6g}", hint)
+            fail(
+                exercise,
+                f"{what} equal to the reference (rtol={rtol}, atol={atol})",
+                f"a largest difference of {diff.max().item():.3g} at index {idx}: "
+                f"{a[idx].item():.6g} instead of {b[idx].item():.6g}",
+                hint,
+            )
         return seen
     try:
         value = float(seen)
     except (TypeError, ValueError):
-        fail(exercise, f"{what} to be a number", f"a {type(seen).__name__}: {seen!r:.80}")
+        fail(
+            exercise, f"{what} to be a number", f"a {type(seen).__name__}: {seen!r:.80}"
+        )
     if not abs(value - float(expected)) <= atol + rtol * abs(float(expected)):
         fail(exercise, f"{what} = {float(expected):.6g}", f"{value:.6g}", hint)
     return seen

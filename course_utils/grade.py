@@ -42,6 +42,7 @@ class CellOutcome:
 
 # --- pytest plugin: loaded into the nbval run with -p course_utils.grade --------
 
+
 def _message(excinfo) -> str:
     exc = excinfo.value
     text = getattr(exc, "inner_traceback", None) or str(exc)
@@ -56,10 +57,15 @@ def _record(item, report, excinfo) -> None:
     if not path or cell is None:
         return
     meta = cell.get("metadata", {})
-    row = {"notebook": str(item.fspath), "cell": int(getattr(item, "cell_num", -1)),
-           "outcome": report.outcome, "tags": list(meta.get("tags", [])),
-           "exercise": meta.get("exercise"), "source": cell.source,
-           "message": _message(excinfo) if report.failed and excinfo else ""}
+    row = {
+        "notebook": str(item.fspath),
+        "cell": int(getattr(item, "cell_num", -1)),
+        "outcome": report.outcome,
+        "tags": list(meta.get("tags", [])),
+        "exercise": meta.get("exercise"),
+        "source": cell.source,
+        "message": _message(excinfo) if report.failed and excinfo else "",
+    }
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -79,22 +85,43 @@ except ImportError:  # pragma: no cover - pytest is in requirements.txt
 
 # --- running notebooks ----------------------------------------------------------
 
-def run_notebooks(paths: list[Path | str], timeout: int = DEFAULT_TIMEOUT,
-                  quiet: bool = True) -> list[CellOutcome]:
+
+def run_notebooks(
+    paths: list[Path | str], timeout: int = DEFAULT_TIMEOUT, quiet: bool = True
+) -> list[CellOutcome]:
     """Run notebooks under ``pytest --nbval``; return every code cell's outcome."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "cells.jsonl"
         env = dict(os.environ, **{REPORT_ENV: str(report)})
-        cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env",
-               f"--nbval-cell-timeout={timeout}", "-p", "course_utils.grade",
-               "-p", "no:cacheprovider", "-q", "-o", "addopts=",
-               "--rootdir", str(Path(tmp)), *map(str, paths)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--nbval",
+            "--nbval-current-env",
+            f"--nbval-cell-timeout={timeout}",
+            "-p",
+            "course_utils.grade",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            str(Path(tmp)),
+            *map(str, paths),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=quiet, text=True)
-        rows = ([json.loads(line) for line in report.read_text().splitlines()]
-                if report.exists() else [])
+        rows = (
+            [json.loads(line) for line in report.read_text().splitlines()]
+            if report.exists()
+            else []
+        )
     if not rows and proc.returncode not in (0, 1):
         out = (proc.stdout or "") + (proc.stderr or "")
-        raise RuntimeError(f"nbval did not run (exit {proc.returncode}):\n{out[-2000:]}")
+        raise RuntimeError(
+            f"nbval did not run (exit {proc.returncode}):\n{out[-2000:]}"
+        )
     return [CellOutcome(**r) for r in rows]
 
 
@@ -121,13 +148,18 @@ def exercise_results(cells: list[CellOutcome]) -> list[ExerciseResult]:
         elif "check" in c.tags:
             msg = c.message
             if (c.notebook, c.exercise) in broken:
-                msg = ("your exercise cell raised an error:\n"
-                       + broken[(c.notebook, c.exercise)])
+                msg = (
+                    "your exercise cell raised an error:\n"
+                    + broken[(c.notebook, c.exercise)]
+                )
             elif c.outcome == "skipped":
-                msg = ("not graded: an earlier cell did not finish in time, so nbval "
-                       "stopped trusting the kernel; fix that one and grade again")
-            results.append(ExerciseResult(c.notebook, str(c.exercise),
-                                          c.outcome == "passed", msg))
+                msg = (
+                    "not graded: an earlier cell did not finish in time, so nbval "
+                    "stopped trusting the kernel; fix that one and grade again"
+                )
+            results.append(
+                ExerciseResult(c.notebook, str(c.exercise), c.outcome == "passed", msg)
+            )
     return results
 
 
@@ -140,8 +172,11 @@ def report(cells: list[CellOutcome]) -> tuple[str, bool]:
     total = done = 0
     for nb, nb_cells in by_nb.items():
         results = exercise_results(nb_cells)
-        others = [c for c in nb_cells if c.outcome == "failed"
-                  and not ({"check", "exercise"} & set(c.tags))]
+        others = [
+            c
+            for c in nb_cells
+            if c.outcome == "failed" and not ({"check", "exercise"} & set(c.tags))
+        ]
         lines.append(f"{Path(nb).name}")
         for r in results:
             mark = "passed" if r.passed else "FAILED"
@@ -161,12 +196,21 @@ def report(cells: list[CellOutcome]) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_utils.grade",
-                                     description="Grade your exercises.")
-    parser.add_argument("notebooks", nargs="*", type=Path,
-                        help="notebooks to grade (default: all of notebooks/)")
-    parser.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
-                        help="seconds a cell may run before it counts as hung")
+    parser = argparse.ArgumentParser(
+        prog="python -m course_utils.grade", description="Grade your exercises."
+    )
+    parser.add_argument(
+        "notebooks",
+        nargs="*",
+        type=Path,
+        help="notebooks to grade (default: all of notebooks/)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=DEFAULT_TIMEOUT,
+        help="seconds a cell may run before it counts as hung",
+    )
     args = parser.parse_args(argv)
     from course_utils.build import NOTEBOOK_DIR
 
@@ -175,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"no such notebook: {', '.join(map(str, missing))}")
         return 2
-    print(f"grading {len(paths)} notebook(s); each runs top to bottom in a fresh kernel")
+    print(
+        f"grading {len(paths)} notebook(s); each runs top to bottom in a fresh kernel"
+    )
     text, ok = report(run_notebooks(paths, timeout=args.timeout))
     print(text)
     return 0 if ok else 1

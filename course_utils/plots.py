@@ -19,9 +19,15 @@ def _axes(ax, figsize=(6.4, 4.0)):
     return ax
 
 
-def plot_time_vs_size(sweeps: Sequence[Sweep], xlabel: str = "size",
-                      ylabel: str = "time per call (s)", title: str = "",
-                      ax=None, logx: bool = True, logy: bool = True):
+def plot_time_vs_size(
+    sweeps: Sequence[Sweep],
+    xlabel: str = "size",
+    ylabel: str = "time per call (s)",
+    title: str = "",
+    ax=None,
+    logx: bool = True,
+    logy: bool = True,
+):
     """Time against size, one line per sweep, on log axes. Chapter 2.
 
     The shaded band is the interquartile range of the repeated runs.
@@ -43,8 +49,13 @@ def plot_time_vs_size(sweeps: Sequence[Sweep], xlabel: str = "size",
     return ax
 
 
-def plot_speedup_bars(labels: Sequence[str], seconds: Sequence[float],
-                      baseline: int = 0, title: str = "", ax=None):
+def plot_speedup_bars(
+    labels: Sequence[str],
+    seconds: Sequence[float],
+    baseline: int = 0,
+    title: str = "",
+    ax=None,
+):
     """Bars of speed-up over ``labels[baseline]`` (higher is faster). Chapter 4.
 
     Each bar is annotated with its speed-up and the time it stands for.
@@ -55,9 +66,13 @@ def plot_speedup_bars(labels: Sequence[str], seconds: Sequence[float],
     bars = ax.bar(labels, speedups, color=plt.cm.tab10.colors[: len(labels)])
     ax.axhline(1.0, color="grey", lw=1, ls="--")
     for bar, sp, s in zip(bars, speedups, seconds, strict=True):
-        ax.annotate(f"{sp:.2f}x\n({s * 1e3:.3g} ms)",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{sp:.2f}x\n({s * 1e3:.3g} ms)",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel(f"speed-up over {labels[baseline]}")
     ax.set_ylim(0, max(speedups) * 1.25)
     if title:
@@ -65,8 +80,13 @@ def plot_speedup_bars(labels: Sequence[str], seconds: Sequence[float],
     return ax
 
 
-def plot_timeline(spans: Sequence[tuple], title: str = "", unit: str = "ms",
-                  ax=None, lanes: Sequence[str] | None = None):
+def plot_timeline(
+    spans: Sequence[tuple],
+    title: str = "",
+    unit: str = "ms",
+    ax=None,
+    lanes: Sequence[str] | None = None,
+):
     """A Gantt chart: one row per lane (stream, thread, rank or stage). Chapter 3.
 
     ``spans`` holds ``(lane, start, end)`` or ``(lane, start, end, label)``
@@ -84,11 +104,25 @@ def plot_timeline(spans: Sequence[tuple], title: str = "", unit: str = "ms",
         label = span[3] if len(span) > 3 else None
         y = lanes.index(lane)
         left, width = (start - t0) * scale, (end - start) * scale
-        ax.barh(y, width, left=left, height=0.6, edgecolor="black", lw=0.5,
-                color=colors.get(label, "tab:blue"))
+        ax.barh(
+            y,
+            width,
+            left=left,
+            height=0.6,
+            edgecolor="black",
+            lw=0.5,
+            color=colors.get(label, "tab:blue"),
+        )
         if label and width > 0:
-            ax.text(left + width / 2, y, str(label), ha="center", va="center",
-                    fontsize=7, clip_on=True)
+            ax.text(
+                left + width / 2,
+                y,
+                str(label),
+                ha="center",
+                va="center",
+                fontsize=7,
+                clip_on=True,
+            )
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")

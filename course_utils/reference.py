@@ -45,7 +45,9 @@ def _load(path: Path) -> dict:
         return json.load(f)
 
 
-def record(name: str, value, unit: str, device: torch.device | str, note: str = "") -> bool:
+def record(
+    name: str, value, unit: str, device: torch.device | str, note: str = ""
+) -> bool:
     """Write ``value`` under ``name`` for this GPU when recording is on.
 
     ``value`` is anything JSON can hold: a number, a list (a sweep), a dict
@@ -59,9 +61,13 @@ def record(name: str, value, unit: str, device: torch.device | str, note: str = 
     path = data_dir() / f"{_slug(gpu)}.json"
     data = _load(path) if path.exists() else {"device": gpu, "results": {}}
     data["results"][name] = {
-        "value": value, "unit": unit, "note": note, "device": gpu,
+        "value": value,
+        "unit": unit,
+        "note": note,
+        "device": gpu,
         "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
-        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "date": _dt.date.today().isoformat(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,12 +103,15 @@ def recorded_devices() -> list[str]:
 
 def label(entry: dict) -> str:
     """``'NVIDIA H100 80GB HBM3, 2026-11-22, torch 2.13.0, CUDA 12.8'``."""
-    return (f"{entry['device']}, {entry['date']}, torch {entry['torch']}, "
-            f"CUDA {entry['cuda']}")
+    return (
+        f"{entry['device']}, {entry['date']}, torch {entry['torch']}, "
+        f"CUDA {entry['cuda']}"
+    )
 
 
-def show(name: str, local=None, unit: str = "", local_device: str = "",
-         fmt: str = "{:.4g}") -> list[dict]:
+def show(
+    name: str, local=None, unit: str = "", local_device: str = "", fmt: str = "{:.4g}"
+) -> list[dict]:
     """Print the local figure (if any) and the recorded GPU references for ``name``.
 
     Returns the reference entries (empty when none has been recorded), so a
@@ -112,7 +121,10 @@ def show(name: str, local=None, unit: str = "", local_device: str = "",
     unit = unit or (entries[0]["unit"] if entries else "")
     if local is not None:
         value = fmt.format(local) if isinstance(local, (int, float)) else str(local)
-        print(f"{name}: {value} {unit}".rstrip() + f" measured here ({local_device or 'this machine'})")
+        print(
+            f"{name}: {value} {unit}".rstrip()
+            + f" measured here ({local_device or 'this machine'})"
+        )
     if not entries:
         print(f"{name}: no reference recorded yet on a GPU")
     for e in entries:

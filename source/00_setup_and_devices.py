@@ -18,7 +18,6 @@
 # real GPU where one has been recorded.
 
 # %%
-import copy
 import gc
 import warnings
 
@@ -26,8 +25,15 @@ import psutil
 import torch
 from torch import nn
 
-from course_utils import banner, bench, check_fits, try_all_gpus, try_gpu
-from course_utils import devices, reference
+from course_utils import (
+    banner,
+    bench,
+    check_fits,
+    devices,
+    reference,
+    try_all_gpus,
+    try_gpu,
+)
 from course_utils.devices import format_bytes
 
 torch.manual_seed(0)

@@ -1,5 +1,6 @@
 import pytest
 import torch
 
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                                  reason="needs a CUDA GPU")
+requires_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"
+)

@@ -32,7 +32,10 @@ def test_benchmark_quiet_returns_elapsed(capsys):
 def test_benchmark_waits_for_queued_gpu_work():
     x = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
     with Benchmark(verbose=False, device="cuda") as synced:
         start.record()
         for _ in range(20):
@@ -69,8 +72,12 @@ def test_bench_warms_up_before_timing():
 
 
 def test_sweep_returns_plain_lists():
-    s = sweep(lambda n: bench(torch.ones, n, min_run_time=0.02), [10, 100],
-              label="ones", progress=False)
+    s = sweep(
+        lambda n: bench(torch.ones, n, min_run_time=0.02),
+        [10, 100],
+        label="ones",
+        progress=False,
+    )
     assert s.sizes == [10, 100] and len(s.median) == 2 and len(s.iqr) == 2
     s2 = sweep(lambda n: n * 1e-3, [1, 2], progress=False)
     assert s2.median == [1e-3, 2e-3]

@@ -41,7 +41,11 @@ def cells(path):
 
 def test_stub_keeps_indentation_and_names_exercise(course):
     _, nbs, _ = course
-    ex = [c for c in cells(nbs / "07_demo.ipynb") if "exercise" in c["metadata"].get("tags", [])]
+    ex = [
+        c
+        for c in cells(nbs / "07_demo.ipynb")
+        if "exercise" in c["metadata"].get("tags", [])
+    ]
     src = "".join(ex[0]["source"])
     assert '    raise NotImplementedError("Exercise 7.1")' in src
     assert "math.pi * r**2" not in src and "BEGIN SOLUTION" not in src
@@ -113,13 +117,16 @@ def test_untouched_notebook_is_regenerated(course):
     assert result["written"] and not backups.exists()
 
 
-@pytest.mark.parametrize("change, message", [
-    ('# %% tags=["check"] exercise="7.1"\n', "must be followed"),
-    ('exercise="7.1"', "must be '7.1'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ('# %% tags=["check"] exercise="7.1"\n', "must be followed"),
+        ('exercise="7.1"', "must be '7.1'"),
+    ],
+)
 def test_exercise_rules_are_enforced(tmp_path, change, message):
     if change.startswith("# %%"):
-        text = SOURCE.replace(change, '# %%\n')
+        text = SOURCE.replace(change, "# %%\n")
     else:
         text = SOURCE.replace(change, 'exercise="7.2"', 1)
     path = tmp_path / "07_demo.py"

@@ -35,8 +35,12 @@ def test_call_learner_wraps_errors_with_hints():
         return x + torch.ones(2, device="meta")
 
     with pytest.raises(ExerciseFailed) as info:
-        call_learner("9.1", broken, torch.ones(2),
-                     hints={"not on the expected device": "move it"})
+        call_learner(
+            "9.1",
+            broken,
+            torch.ones(2),
+            hints={"not on the expected device": "move it"},
+        )
     assert "RuntimeError" in info.value.seen and info.value.hint == "move it"
 
 

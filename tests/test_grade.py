@@ -5,13 +5,13 @@ import textwrap
 
 from course_utils import build, grade
 
-SOURCE = textwrap.dedent('''\
+SOURCE = textwrap.dedent("""\
     # %%
     import time
     from course_utils.exercises import call_learner, check_close, passed
-    ''')
+    """)
 for k in range(1, 7):
-    SOURCE += textwrap.dedent(f'''
+    SOURCE += textwrap.dedent(f"""
     # %% tags=["exercise"] exercise="5.{k}"
     def answer():
         ### BEGIN SOLUTION
@@ -21,15 +21,16 @@ for k in range(1, 7):
     # %% tags=["check"] exercise="5.{k}"
     check_close("5.{k}", call_learner("5.{k}", answer), 2, what="answer()")
     passed("5.{k}")
-    ''')
+    """)
 
 LEARNER_ANSWERS = {
-    "5.1": "def answer():\n    return 2\n",                  # right
-    "5.2": "def answer():\n    return 'two'\n",              # wrong type
-    "5.3": "def answer():\n    return 1 / 0\n",              # raises
-    "5.4": "def answer():\n    return (\n",                  # syntax error
+    "5.1": "def answer():\n    return 2\n",  # right
+    "5.2": "def answer():\n    return 'two'\n",  # wrong type
+    "5.3": "def answer():\n    return 1 / 0\n",  # raises
+    "5.4": "def answer():\n    return (\n",  # syntax error
     # 5.5 left as the stub
-    "5.6": "def answer():\n    while True:\n        time.sleep(0.05)\n",  # never returns
+    # never returns:
+    "5.6": "def answer():\n    while True:\n        time.sleep(0.05)\n",
 }
 
 

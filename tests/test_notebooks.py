@@ -48,13 +48,20 @@ def test_learner_notebook_fails_exactly_its_checks(source):
     checks = {c.cell for c in cells if "check" in c.tags}
     assert checks, f"{source.stem} has no graded exercise"
     assert not failed - checks, "cells that fail without a solution:\n" + describe(
-        [c for c in cells if c.cell in failed - checks])
-    assert not checks - failed, "check cells that pass with no solution (vacuous):\n" + \
-        "\n".join(c.source for c in cells if c.cell in checks - failed)
+        [c for c in cells if c.cell in failed - checks]
+    )
+    assert not checks - failed, (
+        "check cells that pass with no solution (vacuous):\n"
+        + "\n".join(c.source for c in cells if c.cell in checks - failed)
+    )
     for c in cells:
         if c.cell in checks:
-            assert f"Exercise {c.exercise}" in c.message and "placeholder" in c.message, \
-                f"check {c.exercise} fails without naming the unsolved exercise:\n{c.message}"
+            assert (
+                f"Exercise {c.exercise}" in c.message and "placeholder" in c.message
+            ), (
+                f"check {c.exercise} fails without naming the unsolved exercise:\n"
+                + c.message
+            )
 
 
 @pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)

@@ -35,11 +35,19 @@ def test_recording_off_writes_nothing(data_dir):
 
 
 def test_recorded_file_is_shown_with_device_and_date(data_dir, capsys):
-    entry = {"value": 0.25, "unit": "ms", "note": "", "device": "NVIDIA H100 80GB HBM3",
-             "capability": "9.0", "torch": "2.13.0", "cuda": "12.8",
-             "date": "2026-11-22"}
-    (data_dir / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps(
-        {"device": entry["device"], "results": {"02.launch": entry}}))
+    entry = {
+        "value": 0.25,
+        "unit": "ms",
+        "note": "",
+        "device": "NVIDIA H100 80GB HBM3",
+        "capability": "9.0",
+        "torch": "2.13.0",
+        "cuda": "12.8",
+        "date": "2026-11-22",
+    }
+    (data_dir / "nvidia-h100-80gb-hbm3.json").write_text(
+        json.dumps({"device": entry["device"], "results": {"02.launch": entry}})
+    )
     assert reference.recorded_devices() == ["NVIDIA H100 80GB HBM3"]
     assert reference.lookup("02.launch") == [entry]
     reference.show("02.launch")

@@ -18,13 +18,15 @@ from course_utils.exercises import (
     passed,
 )
 
-MOVE_BOTH = ("move the model AND the batch; tensor.to(device) returns a NEW tensor, "
-             "so assign it: batch = batch.to(device)")
+MOVE_BOTH = (
+    "move the model AND the batch; tensor.to(device) returns a NEW tensor, "
+    "so assign it: batch = batch.to(device)"
+)
 HINTS = {
     "not on the expected device": MOVE_BOTH,
     "Expected all tensors to be on the same device": MOVE_BOTH,
     "not compiled with CUDA": "use the device you are given instead of a hard-coded "
-                              "'cuda': it is not always a GPU",
+    "'cuda': it is not always a GPU",
 }
 
 
@@ -37,21 +39,42 @@ def check_run_on(run_on) -> None:
     """
     ex = "0.1"
     torch.manual_seed(0)
-    model, batch = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), \
-        torch.randn(5, 8)
+    model, batch = (
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)),
+        torch.randn(5, 8),
+    )
     expected = model(batch).detach()
-    out = call_learner(ex, run_on, copy.deepcopy(model), batch.clone(),
-                       torch.device("meta"), hints=HINTS)
+    out = call_learner(
+        ex,
+        run_on,
+        copy.deepcopy(model),
+        batch.clone(),
+        torch.device("meta"),
+        hints=HINTS,
+    )
     check_type(ex, out, torch.Tensor, "run_on's return value")
-    check_device(ex, out, "meta", "the output for device='meta'",
-                 hint="run the model on the device you are given and return its output")
+    check_device(
+        ex,
+        out,
+        "meta",
+        "the output for device='meta'",
+        hint="run the model on the device you are given and return its output",
+    )
     check_shape(ex, out, expected.shape, "the output")
     device = try_gpu()
-    out = call_learner(ex, run_on, copy.deepcopy(model), batch.clone(), device,
-                       hints=HINTS)
+    out = call_learner(
+        ex, run_on, copy.deepcopy(model), batch.clone(), device, hints=HINTS
+    )
     check_device(ex, out, device, f"the output for device={device}")
-    check_close(ex, out, expected, rtol=1e-4, atol=1e-5, what="the model's output",
-                hint="return model(batch) itself, not a modified copy")
+    check_close(
+        ex,
+        out,
+        expected,
+        rtol=1e-4,
+        atol=1e-5,
+        what="the model's output",
+        hint="return model(batch) itself, not a modified copy",
+    )
     passed(ex, f"It ran on meta (shapes only) and on {device}.")
 
 
@@ -74,12 +97,19 @@ def check_memory_held(memory_held) -> None:
     cases = [
         ("one float32 tensor of 1000 elements", [x]),
         ("a float64 tensor of 10 elements", [torch.zeros(10, dtype=torch.float64)]),
-        ("int8 and bfloat16 tensors", [torch.zeros(100, dtype=torch.int8),
-                                       torch.zeros(100, dtype=torch.bfloat16)]),
+        (
+            "int8 and bfloat16 tensors",
+            [
+                torch.zeros(100, dtype=torch.int8),
+                torch.zeros(100, dtype=torch.bfloat16),
+            ],
+        ),
         ("a tensor and a view of it", [x, x.view(10, 100)]),
         ("every other element of a tensor (x[::2])", [x[::2]]),
-        ("one element expanded to 1000 (expand copies nothing)",
-         [torch.zeros(1).expand(1000)]),
+        (
+            "one element expanded to 1000 (expand copies nothing)",
+            [torch.zeros(1).expand(1000)],
+        ),
         ("an empty tensor", [torch.empty(0)]),
     ]
     for what, tensors in cases:
@@ -95,10 +125,14 @@ def check_memory_held(memory_held) -> None:
         if seen == as_f32 and as_f32 != want:
             hint = "not every tensor is float32: use t.element_size()"
         elif seen == logical and len(tensors) > 1:
-            hint = ("a view shares its base's storage: count each storage once "
-                    "(t.untyped_storage().data_ptr() identifies it)")
+            hint = (
+                "a view shares its base's storage: count each storage once "
+                "(t.untyped_storage().data_ptr() identifies it)"
+            )
         elif seen == logical:
-            hint = ("a slice or an expanded tensor is a view: the memory held is its "
-                    "storage's, t.untyped_storage().nbytes(), not numel x element size")
+            hint = (
+                "a slice or an expanded tensor is a view: the memory held is its "
+                "storage's, t.untyped_storage().nbytes(), not numel x element size"
+            )
         fail(ex, f"{want} bytes for {what}", f"{seen} bytes", hint)
     passed(ex, "Views, slices, expand and dtypes all counted right.")

@@ -52,7 +52,7 @@ def check_consume_when_ready(fn: Callable) -> None:
     """
     ex = "3.1"
     n = 1000
-    for delay, value in ((0.0, 1.0), (0.3, 2.0), (0.12, 3.0)):
+    for delay, value in ((0.3, 2.0), (0.0, 1.0), (0.12, 3.0)):
         buffer, ready = torch.zeros(n), threading.Event()
         set_at: list[float] = []
 
@@ -108,11 +108,11 @@ _OVERLAP_CASES: list[tuple[list[tuple], float, str]] = [
      "times may come from any clock: measure from the first start, not from 0"),
     ([("b", 2.0, 5.0, "x"), ("a", 0.0, 3.0, "y")], 1 / 5,
      "spans come in any order (sort them) and may carry a label"),
-    ([("a", 0.0, 4.0), ("b", 1.0, 2.0), ("c", 1.5, 3.0)], 0.5,
-     "time when three spans run at once counts once, not once per pair"),
     ([("a", 0.0, 10.0), ("b", 1.0, 2.0), ("c", 5.0, 6.0)], 0.2,
      "a long span can overlap several others: compare all spans, not neighbours "
      "or the first two"),
+    ([("a", 0.0, 4.0), ("b", 1.0, 2.0), ("c", 1.5, 3.0)], 0.5,
+     "time when three spans run at once counts once, not once per pair"),
     ([("a", 0.0, 1.0), ("b", 0.5, 1.0), ("a", 3.0, 4.0)], 0.125,
      "divide by the wall-clock time from the first start to the last end, gaps "
      "included, not by the time something was running"),
@@ -126,7 +126,7 @@ def check_overlap_fraction(fn: Callable, measured_spans: Sequence[tuple] | None 
     for spans, expected, hint in _OVERLAP_CASES:
         seen = call_learner(ex, fn, [tuple(s) for s in spans])
         shown = ", ".join(str(s) for s in spans)
-        check_close(ex, seen, expected, rtol=1e-6, atol=1e-9,
+        check_close(ex, seen, expected, rtol=1e-3, atol=1e-6,
                     what=f"overlap_fraction([{shown}])", hint=hint)
     note = ""
     if measured_spans:
@@ -144,10 +144,10 @@ def check_overlap_fraction(fn: Callable, measured_spans: Sequence[tuple] | None 
 _WORKER_CASES: list[tuple[dict[int, float], float, int, str]] = [
     ({0: 3.0, 1: 2.0, 2: 1.5}, 0.05, 2,
      "choose the fastest when nothing else is close"),
-    ({0: 3.0, 1: 2.0, 2: 1.95}, 0.05, 1,
-     "1 worker is within 5% of the fastest: take the fewest workers that are"),
     ({0: 1.0, 1: 1.3, 2: 1.4}, 0.05, 0,
      "more workers can be slower (few cores, a loaded machine): go by the times"),
+    ({0: 3.0, 1: 2.0, 2: 1.95}, 0.05, 1,
+     "1 worker is within 5% of the fastest: take the fewest workers that are"),
     ({4: 1.0, 2: 1.02, 8: 0.99}, 0.05, 2,
      "the keys need not be in order or start at 0"),
     ({0: 100.0, 1: 60.0, 2: 58.0}, 0.05, 1,
