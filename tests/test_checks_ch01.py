@@ -68,9 +68,10 @@ def test_coalesced_accepts_grid_stride_and_variants():
 
 @pytest.mark.parametrize("wrong, words", [
     (lambda t, j, nt, pt: t * pt + j, "sectors per request"),
-    (lambda t, j, nt, pt: j * 32 + t, "indices in"),
+    (lambda t, j, nt, pt: j * 32 + t, "more than once"),
     (lambda t, j, nt, pt: t, "never touched"),
-    (lambda t, j, nt, pt: j * (nt - 1) + t, "indices in"),
+    (lambda t, j, nt, pt: j * (nt - 1) + t, "never touched"),
+    (lambda t, j, nt, pt: j * nt + t + 1, "indices in"),
 ])
 def test_coalesced_names_mistakes(wrong, words):
     assert words in failure(ch01.check_coalesced_element, wrong)

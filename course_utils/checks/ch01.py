@@ -84,10 +84,8 @@ def check_launch_config(fn: Callable) -> None:
             fail(ex, "threads per block a multiple of 32 (a whole number of warps)",
                  f"{threads} for n={n}",
                  "a warp is 32 threads; a partial warp wastes the rest of its lanes")
-        if blocks < 1:
-            fail(ex, "at least one block", f"{blocks} for n={n}")
         if blocks * threads < n:
-            fail(ex, f"at least {n} threads for n={n}",
+            fail(ex, f"enough threads: at least {n} for n={n}",
                  f"{blocks} x {threads} = {blocks * threads}",
                  "round the number of blocks up: (n + threads - 1) // threads")
         if (blocks - 1) * threads >= n:
@@ -119,9 +117,11 @@ def check_coalesced_element(fn: Callable) -> None:
                          f"there are n_threads * per_thread = {n} elements")
                 counts[i] += 1
         missed = [i for i, c in enumerate(counts) if c == 0]
+        twice = sum(c > 1 for c in counts)
         if missed:
             fail(ex, "every element copied exactly once",
-                 f"{len(missed)} elements never touched (first: {missed[0]})",
+                 f"{len(missed)} elements never touched (first: {missed[0]}), "
+                 f"{twice} touched more than once",
                  "with n_threads threads, step j covers elements j * n_threads "
                  "... j * n_threads + n_threads - 1")
         trace = trace_sectors(accesses, grid=blocks, block=threads)
