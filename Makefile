@@ -39,10 +39,11 @@ notebooks: setup
 grade: setup
 	$(PY) -m course_utils.grade
 
-# On a GPU machine: run every chapter with recording on; the results land in
-# course_utils/reference_data/ (commit them).
+# On a GPU machine: run every chapter (with its solutions) with recording on;
+# the results land in course_utils/reference_data/ (commit them).
 record: setup
-	COURSE_RECORD=1 $(PY) -m pytest --nbval notebooks/ -p no:cacheprovider
+	$(PY) -m course_utils.build --solutions build/solutions
+	COURSE_RECORD=1 $(PY) -m pytest --nbval build/solutions/
 
 lint: setup
 	$(VENV)/bin/ruff check course_utils tests source
