@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from course_utils.devices import try_gpu
 from course_utils.exercises import (
+    ExerciseFailed,
     call_learner,
     check_close,
     check_type,
@@ -171,12 +172,23 @@ def _waits_for_device(measure) -> bool | None:
     return any(word in code for word in SYNC_WORDS)
 
 
+def _call_measure(ex: str, measure, work, device: torch.device):
+    try:
+        return call_learner(ex, measure, work, device)
+    except ExerciseFailed as e:
+        if "not compiled with CUDA" in e.seen:
+            fail(ex, e.expected, e.seen,
+                 "you were given a CPU: synchronise only when device.type == 'cuda' "
+                 "(or use bench(), which does it for you)")
+        raise
+
+
 def check_measure(measure) -> None:
     """Exercise 2.1: ``measure(fn, device)`` returns seconds per call of ``fn``."""
     ex = "2.1"
     cpu = torch.device("cpu")
     work = SlowFirstCall()
-    seconds = call_learner(ex, measure, work, cpu)
+    seconds = _call_measure(ex, measure, work, cpu)
     _judge_measure(ex, seconds, work, cpu)
     if _waits_for_device(measure) is False:
         fail(ex, "a measurement that waits for the device before reading the clock",
@@ -188,7 +200,7 @@ def check_measure(measure) -> None:
     device = try_gpu()
     if device.type == "cuda":
         gpu_work = CudaMatmulWork(device)
-        seconds = call_learner(ex, measure, gpu_work, device)
+        seconds = _call_measure(ex, measure, gpu_work, device)
         steady = _judge_measure(ex, seconds, gpu_work, device)
         note += f"; GPU matmul {float(seconds) * 1e3:.3g} ms (events: " \
                 f"{steady * 1e3:.3g} ms)"
@@ -298,7 +310,8 @@ def check_run_epoch(run_epoch) -> None:
     most_alive = max(loss_fn.alive_at_call)
     if most_alive > MAX_GRAPHS_ALIVE:
         fail(ex, f"at most {MAX_GRAPHS_ALIVE} autograd graphs alive at a time",
-             f"{most_alive} graphs alive at step {loss_fn.alive_at_call.index(most_alive)}"
+             f"{most_alive} graphs alive at step "
+             f"{loss_fn.alive_at_call.index(most_alive) + 1} of {steps}"
              " (every earlier step's graph is kept)",
              "accumulate loss.detach() (or a float), not loss itself: "
              "total += loss links each step's graph into the next")

@@ -1,0 +1,984 @@
+# %% [markdown]
+# # Chapter 2 - CPU vs GPU, and measuring it right
+#
+# **What you will learn**
+#
+# - why a plain `time.time()` around GPU code measures how fast Python *launches*
+#   work, not how fast the GPU *does* it - and how to measure properly
+#   (synchronize, CUDA events, warm-up, repeats, median);
+# - where the CPU beats the GPU (small tensors) and where it loses (large ones),
+#   measured, not guessed;
+# - the two sync traps of training loops: `.item()` or `print` on every step,
+#   and `total_loss += loss`, which keeps every step's autograd graph alive;
+# - why a reduction over the last dimension is usually faster than over the
+#   first: memory layout;
+# - how close a matmul and a copy get to the hardware's peak (a roofline plot),
+#   and what CPU threads change.
+#
+# **Hardware.** Every cell runs on a CPU. With a GPU, the GPU measurements run
+# for real beside the CPU ones (and are recorded as reference results when
+# `COURSE_RECORD=1`). Without one, the cells measure the CPU, explain what a GPU
+# would do, and show the reference results recorded on a real GPU, labelled
+# with the device and date. They never print a GPU number that was not measured.
+
+# %%
+import copy
+import queue
+import statistics
+import threading
+import time
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import torch
+import torch.utils.benchmark as tub
+from IPython.display import display
+from torch import nn
+
+from course_utils import (
+    Benchmark,
+    banner,
+    bench,
+    check_fits,
+    for_device,
+    reference,
+    sweep,
+    try_gpu,
+)
+from course_utils.bench import Sweep, synchronize
+from course_utils.devices import cpu_facts, pycuda_facts
+from course_utils.errors import DoesNotFit
+from course_utils.plots import plot_time_vs_size
+
+torch.manual_seed(0)
+banner()
+device = try_gpu()
+on_gpu = device.type == "cuda"
+print("measuring on:", "cpu" + (f" and {device}" if on_gpu else ""))
+
+# %% [markdown]
+# **One CPU thread, on purpose.** PyTorch splits large CPU operations over
+# several threads. That is faster on an idle machine, but on a shared one
+# (a 2-core CI runner, a laptop with a browser open) the threads must wait for
+# cores another process holds, and the same line of code can take ten times
+# longer from one run to the next. A timing that depends on what else the
+# machine is doing is not a property of the code, so this chapter times the CPU
+# with one thread and says so. Section 7 measures what more threads buy.
+
+# %%
+CPU_THREADS = 1
+default_threads = torch.get_num_threads()
+torch.set_num_threads(CPU_THREADS)
+print(f"torch would use {default_threads} CPU threads; this chapter uses "
+      f"{torch.get_num_threads()} (Section 7 compares)")
+
+# %% [markdown]
+# ## 1. The seed's experiment: `a += a`, a thousand times
+#
+# A popular blog post compares the CPU and the GPU by doubling a tensor of ones
+# a thousand times, timing it with `time.time()`. It reports CPU times that grow
+# with the size (about 38 s for a 4000 x 4000 tensor) and GPU times that stay
+# at about **0.044 s for every size** from 4 x 4 to 4000 x 4000, and concludes
+# that the GPU "hardly changes" as the work grows a million-fold. That
+# conclusion is wrong, and finding out why is the point of this chapter.
+#
+# Here is the loop, written once and used for both devices:
+
+# %%
+def double_in_place(a, steps=1000):
+    """The seed's workload: a += a, `steps` times, in place."""
+    for _ in range(steps):
+        a += a
+    return a
+
+# %% [markdown]
+# First, a side question the seed never asks: what is in the tensor after a
+# thousand doublings? Each step multiplies every element by 2, so after `k`
+# steps it holds 2^k. float32 cannot hold numbers above about 3.4 x 10^38, a bit
+# below 2^128.
+
+# %%
+a = torch.ones(4)
+overflow_step = next(k for k in range(1, 1001)
+                     if torch.isinf(double_in_place(a, steps=1)).all())
+print(f"largest float32: {torch.finfo(torch.float32).max:.3e}")
+print(f"every element is inf after step {overflow_step} of 1000")
+print(f"after 1000 steps: {double_in_place(torch.ones(4)).tolist()}")
+
+# %% [markdown]
+# So for most of the seed's loop the GPU (and the CPU) were adding infinity to
+# infinity. Does that change the timing? Some processors slow down on unusual
+# numbers, so it is worth a measurement rather than a guess: the same addition
+# on finite numbers and on infinities.
+
+# %%
+n_elems = 1 << 16
+out = torch.empty(n_elems)
+finite, infinite = torch.ones(n_elems), torch.full((n_elems,), float("inf"))
+t_finite = bench(torch.add, finite, finite, out=out, min_run_time=0.1).median
+t_inf = bench(torch.add, infinite, infinite, out=out, min_run_time=0.1).median
+print(f"add on finite values: {t_finite * 1e6:.1f} us, on inf: {t_inf * 1e6:.1f} us, "
+      f"ratio inf/finite = {t_inf / t_finite:.2f}")
+if on_gpu:
+    g_fin, g_inf = finite.to(device), infinite.to(device)
+    g_out = torch.empty_like(g_fin)
+    r = (bench(torch.add, g_inf, g_inf, out=g_out, min_run_time=0.1).median
+         / bench(torch.add, g_fin, g_fin, out=g_out, min_run_time=0.1).median)
+    print(f"on {device}: ratio inf/finite = {r:.2f}")
+
+# %% [markdown]
+# A ratio close to 1 means the infinities cost nothing extra on this machine:
+# addition of inf is handled at full speed by current CPUs and GPUs (unlike
+# *subnormal* numbers, tiny values near zero, which some CPUs process slowly).
+# The overflow makes the seed's *results* meaningless, but not its timings.
+# We keep the seed's loop as it is: it is a timing experiment.
+#
+# ### Try a size yourself
+#
+# Drag the slider: the cell times 1000 doublings (or fewer: `steps`) on the
+# CPU, and on the GPU when there is one, measured the right way (Section 2
+# explains how). A size that would not fit in memory is refused with one
+# line instead of crashing the kernel; so is a run that would take minutes.
+
+# %%
+def time_doublings(size, steps, dev):
+    """Seconds for `steps` doublings of a size x size tensor on `dev`."""
+    a = torch.ones(size, size, device=dev)
+    double_in_place(a, steps=1)  # warm-up
+    with Benchmark(device=dev, verbose=False) as one_step:
+        double_in_place(a, steps=1)
+    if one_step.elapsed * steps > 30:
+        raise DoesNotFit(f"{steps} steps at {size} x {size} would take about "
+                         f"{one_step.elapsed * steps:.0f} s on {dev}: lower the "
+                         "size or the steps")
+    with Benchmark(device=dev, verbose=False) as run:
+        double_in_place(a, steps=steps)
+    return run.elapsed
+
+
+def seed_experiment(size=256, steps=1000):
+    for dev in [torch.device("cpu")] + ([device] if on_gpu else []):
+        try:
+            check_fits((size, size), torch.float32, dev)
+            t = time_doublings(size, steps, dev)
+        except DoesNotFit as e:
+            print(f"{dev}: refused - {e}")
+            continue
+        print(f"{dev}: {steps} doublings of {size} x {size}: {t:.4f} s")
+
+
+sizes_slider = widgets.SelectionSlider(options=[2**k for k in range(2, 19)], value=256,
+                                       description="size", continuous_update=False)
+steps_slider = widgets.IntSlider(value=1000, min=1, max=1000, description="steps",
+                                 continuous_update=False)
+display(widgets.interactive(seed_experiment, size=sizes_slider, steps=steps_slider))
+
+# %% [markdown]
+# The slider's last stop, 2^18 x 2^18 float32, needs 256 GiB. This is what
+# moving it there prints (the callback catches the refusal, so the cell does
+# not fail):
+
+# %%
+seed_experiment(size=2**18, steps=1000)
+
+# %% [markdown]
+# ## 2. The wrong measurement beside the right one
+#
+# ### Why the seed's GPU times were flat
+#
+# A CUDA operation called from Python does not run the work. It checks its
+# arguments, puts a *kernel launch* on a queue (a CUDA stream), and returns;
+# the GPU takes launches off the queue and runs them in order while Python
+# carries on. Nothing waits for the GPU until something needs a result
+# (`.item()`, `print`, `.cpu()`) or calls `torch.cuda.synchronize()`.
+#
+# The seed started its timer, launched 1000 additions and stopped the timer.
+# The queue has room for roughly a thousand launches (the exact depth is a driver
+# detail), so all 1000 were accepted without waiting, and the timer measured
+# **1000 launches**: some tens of microseconds each, whatever the size. That is
+# the flat 0.044 s. The GPU was still working when the number was printed.
+#
+# The seed made three more mistakes that blur small sizes: it created the
+# tensor and copied it to the GPU *inside* the timer, it measured one run only,
+# and it did no warm-up (the first CUDA call in a process pays for context set-up,
+# library loading and memory-pool growth).
+#
+# A CPU cannot show the launch queue with PyTorch, because CPU operators finish
+# before they return. But the mechanism is ordinary Python: a worker thread that
+# takes jobs off a queue is a faithful model of a stream. Here each job "runs" for
+# 2 ms; we time 100 launches without and with waiting.
+
+# %%
+class ToyStream:
+    """A worker thread running jobs in order, like a CUDA stream (a model)."""
+
+    def __init__(self):
+        self.jobs = queue.Queue()
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self):
+        while True:
+            job = self.jobs.get()
+            job()
+            self.jobs.task_done()
+
+    def launch(self, job):
+        self.jobs.put(job)  # returns at once, like a kernel launch
+
+    def synchronize(self):
+        self.jobs.join()  # waits until every launched job has run
+
+
+stream, job = ToyStream(), lambda: time.sleep(0.002)
+start = time.perf_counter()
+for _ in range(100):
+    stream.launch(job)
+launched = time.perf_counter() - start
+stream.synchronize()
+finished = time.perf_counter() - start
+print(f"100 launches returned after {launched * 1e3:.2f} ms; "
+      f"the work finished after {finished * 1e3:.0f} ms "
+      f"({finished / launched:.0f}x later)")
+
+# %% [markdown]
+# The unsynchronised timer is off by a large factor, and the factor grows with
+# the work per job, exactly as the seed's GPU timer was. Stopping the clock
+# after `synchronize()` gives the real time.
+#
+# ### The right way
+#
+# 1. **Warm up**: run the workload once before timing it.
+# 2. **Synchronize** before starting and before stopping the clock
+#    (`torch.cuda.synchronize(device)`), or let the GPU time itself with
+#    **CUDA events**: `start.record()`, work, `end.record()`, then
+#    `end.synchronize()` and `start.elapsed_time(end)` (milliseconds).
+# 3. **Repeat** and take the **median**: one run is at the mercy of whatever
+#    else the machine did at that moment; the median ignores the outliers.
+#
+# The two functions below are the seed's measurement and the careful one.
+
+# %%
+def seed_timing(size, dev, steps=1000):
+    """The seed's measurement: one run, no warm-up, no synchronize."""
+    start = time.time()
+    a = torch.ones(size, size).to(dev)
+    double_in_place(a, steps)
+    return time.time() - start
+
+
+def careful_timing(size, dev, steps=1000, repeats=3):
+    """Warm-up, then the median of `repeats` synchronised runs."""
+    dev = torch.device(dev)
+    a = torch.ones(size, size, device=dev)
+    double_in_place(a, steps)  # warm-up
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":  # the GPU times itself
+            start, end = torch.cuda.Event(enable_timing=True), \
+                torch.cuda.Event(enable_timing=True)
+            start.record()
+            double_in_place(a, steps)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            synchronize([dev])  # nothing to wait for on a CPU, kept for symmetry
+            t0 = time.perf_counter()
+            double_in_place(a, steps)
+            synchronize([dev])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+# %% [markdown]
+# Both measurements on the seed's sizes, side by side. The CPU runs sizes up to
+# 400 (the seed's 4000 x 4000 took it 38 s); a GPU also runs 4000.
+
+# %%
+table_sizes = for_device(device, cpu=[4, 40, 400], gpu=[4, 40, 400, 4000])
+rows = {}
+print(f"{'size':>6} {'CPU seed':>10} {'CPU right':>10} {'GPU seed':>10} {'GPU right':>10}")
+for size in table_sizes:
+    row = {}
+    if size <= 400:
+        row["cpu_seed"] = seed_timing(size, "cpu")
+        row["cpu_right"] = careful_timing(size, "cpu")
+    if on_gpu:
+        torch.cuda.synchronize()
+        row["gpu_seed"] = seed_timing(size, device)
+        torch.cuda.synchronize()  # outside the timer: the next size starts clean
+        row["gpu_right"] = careful_timing(size, device)
+    rows[size] = row
+    cells = [f"{row[k]:10.4f}" if k in row else f"{'-':>10}"
+             for k in ("cpu_seed", "cpu_right", "gpu_seed", "gpu_right")]
+    print(f"{size:>6} " + " ".join(cells))
+cpu_ratio = [rows[s]["cpu_seed"] / rows[s]["cpu_right"] for s in table_sizes if s <= 400]
+print("CPU seed/right ratio per size:", ", ".join(f"{r:.2f}" for r in cpu_ratio))
+
+# %% [markdown]
+# On the CPU the two columns should agree within noise for the larger sizes:
+# CPU operators are synchronous, so the seed's timer happened to be right there,
+# apart from the tensor creation it included (visible only at tiny sizes). On a
+# GPU the "seed" column stays nearly flat while the "right" column grows with the
+# size. Without a GPU, here are both measurements as recorded on one:
+
+# %%
+if on_gpu:
+    for key in ("gpu_seed", "gpu_right"):
+        reference.record(f"02.seed_table_{key}",
+                         {"sizes": list(rows), "seconds": [rows[s][key] for s in rows]},
+                         "s", device, note="1000 doublings of size x size float32")
+for key in ("gpu_seed", "gpu_right"):
+    for entry in reference.show(f"02.seed_table_{key}"):
+        pairs = zip(entry["value"]["sizes"], entry["value"]["seconds"], strict=True)
+        print("   ", ", ".join(f"{s}: {t:.4f} s" for s, t in pairs))
+
+# %% [markdown]
+# ### How long the queue is
+#
+# On a GPU we can watch the queue fill: launch `n` additions on a large tensor
+# and time how long the *launching* takes, then how long until they finish. While
+# `n` is below the queue's depth, launching costs a few microseconds per
+# kernel; beyond it, Python must wait for room, and launching slows to the
+# GPU's pace.
+
+# %%
+if on_gpu:
+    big = torch.ones(4096, 4096, device=device)
+    big.add_(1.0)
+    queue_rows = []
+    for n in (10, 100, 1000, 3000):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            big.add_(1.0)
+        t_launch = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        t_total = time.perf_counter() - t0
+        queue_rows.append([n, t_launch, t_total])
+        print(f"{n:5d} launches: launching {t_launch / n * 1e6:7.1f} us each, "
+              f"done after {t_total / n * 1e6:7.1f} us each")
+    reference.record("02.launch_queue", queue_rows, "s", device,
+                     note="[n, launch seconds, total seconds], add_ on 4096x4096")
+for entry in reference.show("02.launch_queue"):
+    for n, t_launch, t_total in entry["value"]:
+        print(f"    {n:5d} launches: launching {t_launch / n * 1e6:7.1f} us each, "
+              f"done after {t_total / n * 1e6:7.1f} us each")
+
+# %% [markdown]
+# ### The same tools, three ways
+#
+# `course_utils` has two timing helpers, both synchronising:
+#
+# - `Benchmark`, a context manager: times one block, waits for the devices on
+#   entry and exit (`sync=False` shows the trap);
+# - `bench(fn, *args)`: warm-up, then `torch.utils.benchmark.Timer`, which picks
+#   how many calls make a run, repeats runs and reports the median and IQR.
+#
+# A helper is only worth trusting if it agrees with an independent measurement.
+# Here all three time the same 256 x 256 matmul. They take turns, five rounds,
+# and we compare them *within* each round (a burst of load elsewhere then hits
+# the three alike), then take the median of the five ratios.
+
+# %%
+x = torch.randn(256, 256)
+calls = 25
+torch.mm(x, x)  # warm-up
+timer = tub.Timer("torch.mm(x, x)", globals={"torch": torch, "x": x},
+                  num_threads=torch.get_num_threads())
+ratios = {"Benchmark": [], "bench": []}
+for _ in range(5):
+    with Benchmark("25 matmuls", device="cpu", verbose=False) as block:
+        for _ in range(calls):
+            torch.mm(x, x)
+    t_bench = bench(torch.mm, x, x, min_run_time=0.05).median
+    t_timer = timer.blocked_autorange(min_run_time=0.05).median
+    ratios["Benchmark"].append(block.elapsed / calls / t_timer)
+    ratios["bench"].append(t_bench / t_timer)
+print(f"torch.utils.benchmark, last round: {t_timer * 1e6:.1f} us per call")
+for name, rs in ratios.items():
+    print(f"{name:<9} / torch.utils.benchmark: median ratio {statistics.median(rs):.3f}"
+          f"  (rounds: {', '.join(f'{r:.2f}' for r in rs)})")
+    assert 0.5 < statistics.median(rs) < 2, "the helpers disagree: is the machine busy?"
+
+# %% [markdown]
+# On a quiet machine the median ratios are within a few percent of 1 and so are
+# most rounds. On a loaded one single rounds wander (the cell only refuses a
+# median disagreement beyond 2x), and `Benchmark` - one block, so one mean -
+# wanders most: that is why `bench` repeats runs and reports the median.
+#
+# ## 3. Where the CPU wins and where the GPU wins
+#
+# Now the seed's sweep, measured properly. Instead of 1000 doublings per size we
+# time *one* doubling with `bench` (median over many) and multiply by 1000 to
+# plot on the seed's scale - the queue no longer hides anything because `bench`
+# synchronises around every run. `sweep` runs the sizes with a progress bar.
+
+# %%
+def per_step(size, dev):
+    a = torch.ones(size, size, device=dev)
+    return bench(double_in_place, a, 1, min_run_time=0.05)
+
+
+cpu_sizes = [16, 32, 64, 128, 256, 512, 1024, 2048]
+gpu_sizes = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+cpu_sweep = sweep(lambda s: per_step(s, "cpu"), cpu_sizes, label="CPU, measured here")
+curves = [cpu_sweep]
+if on_gpu:
+    gpu_sweep = sweep(lambda s: per_step(s, device), gpu_sizes,
+                      label=f"{torch.cuda.get_device_name(device)}, measured here")
+    curves.append(gpu_sweep)
+    seed_style = []
+    for s in gpu_sizes:
+        torch.cuda.synchronize()  # outside the timer: each size starts clean
+        seed_style.append(seed_timing(s, device))
+    reference.record("02.doubling_sweep_gpu", {"sizes": gpu_sizes,
+                     "median": gpu_sweep.median, "iqr": gpu_sweep.iqr},
+                     "s", device, note="one a += a, median over runs")
+    reference.record("02.seed_style_sweep_gpu", {"sizes": gpu_sizes,
+                     "seconds": seed_style}, "s", device,
+                     note="1000 a += a, time.time(), no sync, no warm-up")
+
+# %% [markdown]
+# Without a GPU, the GPU curves come from the references (when recorded). The
+# dashed line is the seed's kind of measurement made on that GPU: flat, because it
+# timed launches.
+
+# %%
+def scaled(s, label, factor=1000):
+    return Sweep(label, list(s.sizes), [m * factor for m in s.median],
+                 [q * factor for q in s.iqr])
+
+
+shown = [scaled(s, s.label) for s in curves]
+if not on_gpu:
+    for e in reference.show("02.doubling_sweep_gpu"):
+        v = e["value"]
+        shown.append(scaled(Sweep("", v["sizes"], v["median"], v["iqr"]),
+                            f"{e['device']} (reference, {e['date']})"))
+ax = plot_time_vs_size(shown, xlabel="tensor size n (n x n float32)",
+                       ylabel="time for 1000 doublings (s)",
+                       title="a += a, 1000 times: synchronised median x 1000")
+seed_entries = reference.lookup("02.seed_style_sweep_gpu")
+if on_gpu:
+    ax.plot(gpu_sizes, seed_style, "k--", marker="x", label="GPU, seed's way (no sync)")
+for e in ([] if on_gpu else seed_entries):
+    ax.plot(e["value"]["sizes"], e["value"]["seconds"], "k--", marker="x",
+            label=f"{e['device']}, seed's way (reference)")
+if len(ax.lines) == 1:
+    ax.text(0.02, 0.9, "no GPU here and no GPU reference recorded yet",
+            transform=ax.transAxes, fontsize=8)
+ax.legend(fontsize=8, loc="lower right")
+plt.show()
+
+# %% [markdown]
+# Where the curves cross is where the GPU starts to pay off. Below it, a GPU step
+# costs a roughly fixed launch overhead (microseconds) while the CPU finishes a
+# small tensor faster than that; above it, the GPU's memory bandwidth - many times
+# the CPU's - wins by a growing factor. The cell computes the crossing from the
+# two curves, measured here or from the reference:
+
+# %%
+gpu_curve = (gpu_sweep.sizes, gpu_sweep.median) if on_gpu else None
+for e in ([] if on_gpu else reference.lookup("02.doubling_sweep_gpu")):
+    gpu_curve = (e["value"]["sizes"], e["value"]["median"])
+if gpu_curve is None:
+    print("no GPU curve (no GPU here, no reference recorded yet): no crossing to "
+          "compute. Smallest CPU step here: "
+          f"{min(cpu_sweep.median) * 1e6:.2f} us at n = {cpu_sizes[0]}")
+else:
+    gpu_at = dict(zip(*gpu_curve, strict=True))
+    common = [s for s in cpu_sizes if s in gpu_at]
+    faster = [s for s in common if gpu_at[s] < cpu_sweep.median[cpu_sizes.index(s)]]
+    print("CPU faster at n =", [s for s in common if s not in faster])
+    print("GPU faster at n =", faster)
+    if common:
+        s = common[-1]
+        print(f"at n = {s}: GPU {cpu_sweep.median[cpu_sizes.index(s)] / gpu_at[s]:.1f}x"
+              " faster than one CPU thread")
+
+# %% [markdown]
+# ## 4. Sync traps in a training loop
+#
+# ### `.item()` (or `print(loss)`) on every step
+#
+# Reading a GPU value from Python - `loss.item()`, `float(loss)`, `print(loss)`,
+# `loss.cpu()` - waits until the GPU has computed it. Once per epoch that costs
+# nothing; once per step it stops Python from launching the next step's kernels
+# while the GPU works on this one, so the two take turns instead of overlapping.
+# The fix: accumulate `loss.detach()` on the device and read it once.
+
+# %%
+def make_problem(dev, steps):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1)).to(dev)
+    data = [(torch.randn(128, 256, device=dev), torch.randn(128, 1, device=dev))
+            for _ in range(steps)]
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3), data
+
+
+def epoch_item_every_step(model, opt, data):
+    total = 0.0
+    for x, y in data:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        total += loss.item()  # waits for this step to finish
+    return total / len(data)
+
+
+def epoch_sync_once(model, opt, data):
+    total = torch.zeros((), device=data[0][0].device)
+    for x, y in data:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        total += loss.detach()  # stays on the device: no wait
+    return total.item() / len(data)  # one wait per epoch
+
+
+def time_epochs(dev, steps):
+    per_step = {}
+    for fn in (epoch_item_every_step, epoch_sync_once):
+        model, opt, data = make_problem(dev, steps)
+        fn(model, opt, data)  # warm-up
+        per_step[fn.__name__] = bench(fn, model, opt, data, min_run_time=0.3,
+                                      warmup=0).median / steps
+    return per_step
+
+
+cpu_epoch = time_epochs("cpu", steps=20)
+for name, t in cpu_epoch.items():
+    print(f"cpu: {name:<22} {t * 1e6:8.1f} us per step")
+print(f"cpu: cost of .item() per step: "
+      f"{(cpu_epoch['epoch_item_every_step'] - cpu_epoch['epoch_sync_once']) * 1e6:.1f}"
+      f" us ({cpu_epoch['epoch_item_every_step'] / cpu_epoch['epoch_sync_once']:.3f}x)")
+
+# %% [markdown]
+# On the CPU the ratio should be close to 1 (up to the noise of a shared
+# machine): each operator has finished when it returns, so `.item()` only copies one number that is already there - there is
+# no queue to drain. On a GPU the per-step read removes the overlap between
+# Python's launching and the GPU's work:
+
+# %%
+if on_gpu:
+    gpu_epoch = time_epochs(device, steps=200)
+    for name, t in gpu_epoch.items():
+        print(f"{device}: {name:<22} {t * 1e6:8.1f} us per step")
+    reference.record("02.item_per_step", gpu_epoch, "s/step", device,
+                     note="MLP 256-512-1, batch 128, SGD")
+for e in reference.show("02.item_per_step"):
+    v = e["value"]
+    print(f"    .item() every step: {v['epoch_item_every_step'] * 1e6:.1f} us/step, "
+          f"sync once: {v['epoch_sync_once'] * 1e6:.1f} us/step, ratio "
+          f"{v['epoch_item_every_step'] / v['epoch_sync_once']:.2f}")
+
+# %% [markdown]
+# ### `total_loss += loss` keeps every graph alive
+#
+# The opposite mistake avoids the sync by accumulating the loss tensor itself.
+# But `loss` carries its autograd history (`loss.grad_fn`), and `total + loss`
+# creates a new node that points back to it: `total` ends up holding *every*
+# step's graph. To see it, we walk the graph behind a tensor and count its nodes
+# and the bytes of the tensors it saved for the backward pass.
+
+# %%
+def graph_size(t):
+    """(nodes, bytes saved for backward) of the autograd graph behind `t`."""
+    seen, todo, storages = set(), [t.grad_fn], {}
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # freed by backward()
+                    continue
+                if isinstance(value, torch.Tensor):
+                    s = value.untyped_storage()
+                    storages[s.data_ptr()] = s.nbytes()
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen), sum(storages.values())
+
+# %% [markdown]
+# Four loops of 20 steps: training (with `backward`) and evaluation (no
+# `backward`, but gradients still enabled), each accumulating `loss` or
+# `loss.detach()`.
+
+# %%
+def accumulate(model, data, train, detach):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    total = 0
+    for x, y in data:
+        loss = nn.functional.mse_loss(model(x), y)
+        if train:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        total = total + (loss.detach() if detach else loss)
+    return total
+
+
+model, _, data = make_problem("cpu", steps=20)
+for train in (True, False):
+    for detach in (False, True):
+        total = accumulate(copy.deepcopy(model), data, train, detach)
+        nodes, saved = graph_size(total)
+        print(f"{'train' if train else 'eval ':5} total += loss{'.detach()' * detach:9}"
+              f" -> graph of {nodes:4d} nodes, {saved / 2**20:6.2f} MiB saved "
+              f"({saved / len(data) / 2**10:7.1f} KiB per step)")
+
+# %% [markdown]
+# In training, `backward()` frees the saved activations, so the kept graph is
+# "only" a chain of nodes that grows every step (and a `total.backward()` later
+# would run backward through all of it again). In an evaluation loop without
+# `torch.no_grad()` nothing frees them: every step's activations stay in memory
+# until `total` dies - the memory growth people see in validation loops. The
+# fixes: accumulate `loss.detach()` (or `loss.item()` once in a while), and run
+# evaluation under `torch.no_grad()`.
+#
+# ## 5. Memory layout: softmax over dim 0 vs dim -1
+#
+# A row-major (contiguous) `n x n` tensor stores each row as one block. Softmax
+# over `dim=-1` reduces each row: it reads a contiguous block, which caches, SIMD
+# units and (on a GPU) coalesced loads handle best. Over `dim=0` it reduces each
+# column, whose elements are `n` floats apart. What matters is the *stride* of
+# the reduced dimension in memory, not its number. A transposed view `X.t()`
+# swaps the strides without copying, so `dim=0` of the view is a row of `X` -
+# but that does not make it cheap, as the third timing shows.
+
+# %%
+def softmax_times(X):
+    return {
+        "dim=0": bench(torch.softmax, X, 0, min_run_time=0.1).median,
+        "dim=-1": bench(torch.softmax, X, -1, min_run_time=0.1).median,
+        "X.t(), dim=0": bench(torch.softmax, X.t(), 0, min_run_time=0.1).median,
+    }
+
+
+X = torch.randn(1024, 1024)
+print("X strides:", X.stride(), " X.t() strides:", X.t().stride())
+cpu_soft = softmax_times(X)
+print("cpu:", ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in cpu_soft.items()),
+      f"| dim=0 / dim=-1 = {cpu_soft['dim=0'] / cpu_soft['dim=-1']:.2f}")
+if on_gpu:
+    n = 16384
+    check_fits((n, n), torch.float32, device, copies=2)
+    gpu_soft = softmax_times(torch.randn(n, n, device=device))
+    print(f"{device}:", ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in gpu_soft.items()),
+          f"| dim=0 / dim=-1 = {gpu_soft['dim=0'] / gpu_soft['dim=-1']:.2f}")
+    reference.record("02.softmax_16384", gpu_soft, "s", device)
+for e in reference.show("02.softmax_16384"):
+    v = e["value"]
+    print(f"    16384 x 16384: dim=0 / dim=-1 = {v['dim=0'] / v['dim=-1']:.2f}")
+
+# %% [markdown]
+# Read the printed ratio: above 1, the strided reduction is slower on that
+# device (how much depends on the device and the size: PyTorch's kernels try
+# hard to hide strides). The transposed view is no shortcut: PyTorch's softmax
+# first makes a non-contiguous input contiguous, which copies the data into the
+# view's row-major order - a copy, and then the same strided reduction as
+# `dim=0` on `X`. The seed's rule "reduce over the last dimension" is really a
+# rule about memory: lay data out so the reduced dimension is the contiguous one
+# (the last, for a tensor created normally), rather than transposing later.
+#
+# ## 6. Achieved throughput against the peak (roofline)
+#
+# How good is a measured time? Compare it with what the hardware could do. Two
+# peaks bound every kernel: arithmetic (FLOP/s) and memory bandwidth (bytes/s). A
+# kernel doing `I` FLOP per byte it moves (its *arithmetic intensity*) can reach
+# at most `min(peak FLOP/s, I x bandwidth)`: that roof is the **roofline**.
+#
+# The CPU's arithmetic peak is not printed on the box; we **estimate** it from
+# the probes: threads x (SIMD width / 32 floats per instruction) x 2 (a fused
+# multiply-add is two FLOP) x clock. Many cores have two FMA units (twice that),
+# and clocks vary with load, so treat it as an estimate within a factor of two.
+# The memory bandwidth has no probe at all, so we **measure** it with a large
+# copy (reads and writes 64 MiB each way, far more than the caches hold).
+
+# %%
+facts = cpu_facts()
+clock_hz = (facts["clock_mhz"] or 0) * 1e6
+lanes = facts["simd_bits"] // 32
+cpu_peak = CPU_THREADS * lanes * 2 * clock_hz
+print(f"{facts['model']}: {facts['simd']} ({lanes} float32 lanes), FMA: {facts['fma']},"
+      f" {facts['clock_mhz']} MHz, {facts['usable_cores']} usable cores")
+print(f"estimated float32 peak: {cpu_peak / 1e9:.0f} GFLOP/s with {CPU_THREADS} thread "
+      f"({facts['usable_cores'] * lanes * 2 * clock_hz / 1e9:.0f} GFLOP/s on all cores)")
+
+
+def copy_bandwidth(dev, n_floats):
+    src = torch.ones(n_floats, device=dev)
+    dst = torch.empty_like(src)
+    t = bench(dst.copy_, src, min_run_time=0.2).median
+    return 2 * src.nbytes / t  # read src + write dst
+
+
+cpu_bw = copy_bandwidth("cpu", 1 << 24)
+print(f"measured copy bandwidth: {cpu_bw / 1e9:.1f} GB/s")
+
+# %% [markdown]
+# The points: matmuls of several sizes (`2 n^3` FLOP over `3 n^2` floats, so the
+# intensity grows with `n`) and an elementwise add (1 FLOP per 12 bytes: read two
+# floats, write one), each timed with `bench`.
+
+# %%
+def roofline_points(dev, mm_sizes, add_sizes):
+    points = {"matmul": [], "add": []}
+    for n in mm_sizes:
+        a = torch.randn(n, n, device=dev)
+        t = bench(torch.mm, a, a, min_run_time=0.05).median
+        points["matmul"].append([2 * n**3 / (12 * n * n), 2 * n**3 / t, n])
+    for n in add_sizes:
+        a, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
+        t = bench(torch.add, a, b, min_run_time=0.05).median
+        points["add"].append([n / (12 * n), n / t, n])
+    return points
+
+
+cpu_points = roofline_points("cpu", [32, 64, 128, 256, 512], [1 << 12, 1 << 16, 1 << 24])
+best = max(p[1] for p in cpu_points["matmul"])
+print(f"best CPU matmul: {best / 1e9:.1f} GFLOP/s = {best / cpu_peak:.0%} of the "
+      "estimated peak")
+if best > cpu_peak:
+    print("  above the estimate: this CPU does more per cycle (two FMA units) or runs "
+          "faster (turbo) than the probes say - the estimate is wrong, not the timing")
+for _, flops, n in cpu_points["add"]:
+    print(f"add of {n:>8} floats: {flops * 12 / 1e9:6.1f} GB/s = "
+          f"{flops * 12 / cpu_bw:.0%} of the measured copy bandwidth")
+
+# %% [markdown]
+# On a GPU the same points are measured, and the peaks come from the device's
+# attributes when pycuda can read them (SMs x float32 lanes per SM x 2 x clock;
+# memory clock x bus width x 2 for the bandwidth); otherwise the measured copy
+# bandwidth stands in and the compute roof is left out, and the plot says so.
+
+# %%
+LANES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128,
+                (8, 9): 128, (9, 0): 128}  # float32 units per SM (CUDA guide)
+
+
+def gpu_peaks(dev):
+    facts = pycuda_facts()
+    if isinstance(facts, str):
+        return None, None, facts
+    attrs = facts[dev.index or 0]["attributes"]
+    cap = torch.cuda.get_device_capability(dev)
+    lanes = LANES_PER_SM.get(cap)
+    flops = (attrs["MULTIPROCESSOR_COUNT"] * lanes * 2 * attrs["CLOCK_RATE"] * 1e3
+             if lanes else None)
+    bw = 2 * attrs["MEMORY_CLOCK_RATE"] * 1e3 * attrs["GLOBAL_MEMORY_BUS_WIDTH"] / 8
+    return flops, bw, "estimated from pycuda device attributes"
+
+
+gpu_roof = None
+if on_gpu:
+    g_peak, g_bw_peak, g_how = gpu_peaks(device)
+    g_bw = copy_bandwidth(device, 1 << 28)
+    g_points = roofline_points(device, [256, 1024, 4096, 8192],
+                               [1 << 16, 1 << 22, 1 << 28])
+    gpu_roof = {"points": g_points, "copy_bw": g_bw, "peak_flops": g_peak,
+                "peak_bw": g_bw_peak, "peaks_from": g_how}
+    print(f"{device}: copy {g_bw / 1e9:.0f} GB/s; peaks: {g_how}")
+    reference.record("02.roofline_gpu", gpu_roof, "FLOP/s", device,
+                     note="float32; points are [FLOP/byte, FLOP/s, n]")
+for e in reference.show("02.roofline_gpu"):
+    if gpu_roof is None:
+        gpu_roof = dict(e["value"], label=f"{e['device']} (reference, {e['date']})")
+
+# %%
+def draw_roofline(ax, peak, bw, color, label, bw_note):
+    xs = [2.0**k for k in range(-6, 12)]
+    ax.plot(xs, [bw * x for x in xs] if peak is None else [min(peak, bw * x) for x in xs],
+            color=color, lw=1.5, label=f"{label} roof ({bw_note})")
+
+
+fig, ax = plt.subplots(figsize=(7.5, 4.8))
+draw_roofline(ax, cpu_peak, cpu_bw, "tab:blue", "CPU", "peak estimated, bandwidth measured")
+for kind, marker in (("matmul", "o"), ("add", "s")):
+    pts = cpu_points[kind]
+    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", marker=marker,
+               label=f"CPU {kind} (here)")
+    for intensity, flops, n in pts:
+        ax.annotate(f"{n}", (intensity, flops), fontsize=7, xytext=(4, -3),
+                    textcoords="offset points")
+if gpu_roof is not None:
+    label = gpu_roof.get("label", f"{torch.cuda.get_device_name(device) if on_gpu else ''}")
+    peak, bw = gpu_roof["peak_flops"], gpu_roof["peak_bw"] or gpu_roof["copy_bw"]
+    draw_roofline(ax, peak, bw, "tab:green", "GPU",
+                  gpu_roof["peaks_from"] if gpu_roof["peak_bw"] else "copy measured")
+    for kind, marker in (("matmul", "o"), ("add", "s")):
+        pts = gpu_roof["points"][kind]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:green",
+                   marker=marker, label=f"GPU {kind}: {label}")
+else:
+    ax.text(0.02, 0.6, "no GPU here and\nno GPU reference recorded yet",
+            transform=ax.transAxes, fontsize=8, va="top")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
+ax.set_ylabel("achieved FLOP/s (float32)")
+ax.set_title("Roofline: measured matmul and add against the peaks")
+ax.grid(True, which="both", alpha=0.3)
+ax.legend(fontsize=7, loc="lower right")
+plt.show()
+
+# %% [markdown]
+# Small matmuls sit far below the roof: the work is too small to fill the
+# machine, and fixed costs dominate. Small adds can land *above* the bandwidth
+# roof, because their tensors stay in the caches, which are faster than main
+# memory; the 64 MiB copy that set the roof does not fit in them. The add stays on the sloped part however
+# large it is: it is limited by memory bandwidth, and a faster processor would
+# not help it - only fewer bytes would (fusing operations, lower precision).
+# On a GPU both roofs are far higher, but so are its fixed costs: a point at the
+# far left of the GPU's roof is exactly the "small tensor" regime where Section 3
+# found the CPU faster.
+#
+# ## 7. CPU threads
+#
+# `torch.get_num_threads()` is how many threads PyTorch's CPU operators may use
+# (by default, one per usable core). `torch.set_num_threads(n)` changes it for
+# the whole process, so we restore the setting afterwards.
+
+# %%
+a = torch.randn(512, 512)
+thread_counts = sorted({1, 2, facts["usable_cores"]})
+try:
+    mm_times = {}
+    for n in thread_counts:
+        torch.set_num_threads(n)
+        mm_times[n] = bench(torch.mm, a, a, min_run_time=0.2).median
+        print(f"{torch.get_num_threads()} thread(s): 512 x 512 matmul "
+              f"{mm_times[n] * 1e3:.2f} ms, speed-up {mm_times[1] / mm_times[n]:.2f}x")
+finally:
+    torch.set_num_threads(CPU_THREADS)
+print("restored:", torch.get_num_threads(), "thread(s)")
+
+# %% [markdown]
+# On an idle machine with at least two cores, two threads should come close to
+# twice as fast on a matmul this size. On a loaded machine the second thread
+# must wait for a core that another process holds, and the speed-up shrinks
+# or even turns into a slow-down. That is why every CPU timing in this course
+# states its thread count, and why the printed speed-up, not a claim in this
+# text, is the answer for your machine.
+#
+# ## Summary
+#
+# - CUDA calls return before the work is done. A timer around them measures the
+#   launches - which is why the seed's GPU times stayed flat at about 0.044 s.
+# - Measure right: warm up, synchronise (or use CUDA events), repeat, take the
+#   median. `Benchmark` and `bench` do this and agree with
+#   `torch.utils.benchmark`.
+# - The CPU wins on small tensors (no launch overhead), the GPU on large ones
+#   (bandwidth and FLOP/s); the crossing point is measured, not assumed.
+# - In training loops, read values with `.item()` once per epoch or per logging
+#   interval, accumulate `loss.detach()`, and evaluate under `torch.no_grad()`.
+# - Reductions are fastest over the contiguous dimension; the penalty for a
+#   strided one depends on the device.
+# - Compare achieved FLOP/s and bytes/s with the peaks: large matmuls approach
+#   the compute roof, elementwise operations are bound by memory bandwidth.
+# - State the thread count with every CPU timing.
+#
+# ## Exercises
+#
+# ### Exercise 2.1: time this workload correctly
+#
+# Write `measure(fn, device)`: the time of one call of `fn()` in seconds, in the
+# steady state. `fn` takes no arguments and may launch asynchronous work on
+# `device` (a CPU or a GPU); its first call may be slow. Any correct method
+# passes: `bench`, CUDA events, `torch.utils.benchmark`, or your own loop. The
+# checker gives you a workload whose true cost it knows (and, on a GPU, a real
+# CUDA one) and rejects a missing warm-up, a single run, a total instead of a
+# per-call time, and a timer that does not wait for the device.
+
+# %% tags=["exercise"] exercise="2.1"
+def measure(fn, device):
+    ### BEGIN SOLUTION
+    device = torch.device(device)
+    fn()  # warm-up
+    times = []
+    for _ in range(5):
+        synchronize([device])
+        start = time.perf_counter()
+        fn()
+        synchronize([device])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+    ### END SOLUTION
+
+# %% tags=["check"] exercise="2.1"
+from course_utils.checks.ch02 import check_measure
+
+check_measure(measure)
+
+# %% [markdown]
+# ### Exercise 2.2: log the loss without the traps
+#
+# Write `run_epoch(model, optimizer, batches, loss_fn)`: for each `(x, y)` in
+# `batches`, take one training step with `loss = loss_fn(model(x), y)`, and
+# return the mean loss of the epoch as a Python float. Read a value from the
+# device only once, at the end, and do not keep earlier steps' graphs alive.
+
+# %% tags=["exercise"] exercise="2.2"
+def run_epoch(model, optimizer, batches, loss_fn):
+    ### BEGIN SOLUTION
+    total = 0.0
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        total = total + loss.detach()
+    return total.item() / len(batches)
+    ### END SOLUTION
+
+# %% tags=["check"] exercise="2.2"
+from course_utils.checks.ch02 import check_run_epoch
+
+check_run_epoch(run_epoch)
+
+# %% [markdown]
+# ### Exercise 2.3: a matmul on the roofline
+#
+# Write `roofline_point(n, seconds, dtype)` for an `n x n @ n x n` matmul that
+# took `seconds`: return `(flop_per_second, flop_per_byte)`, counting the bytes
+# as the minimum any implementation must move (read both inputs once, write the
+# output once) in the element size of `dtype`.
+
+# %% tags=["exercise"] exercise="2.3"
+def roofline_point(n, seconds, dtype):
+    ### BEGIN SOLUTION
+    flop = 2 * n**3
+    nbytes = 3 * n * n * torch.empty((), dtype=dtype).element_size()
+    return flop / seconds, flop / nbytes
+    ### END SOLUTION
+
+# %% tags=["check"] exercise="2.3"
+from course_utils.checks.ch02 import check_roofline_point
+
+check_roofline_point(roofline_point)
+
+# %% [markdown]
+# ## Glossary
+#
+# | English | 中文 |
+# | --- | --- |
+# | asynchronous execution | 异步执行 |
+# | synchronize | 同步 |
+# | kernel launch | 内核启动 |
+# | stream (launch queue) | 流（启动队列） |
+# | warm-up | 预热 |
+# | median / interquartile range | 中位数 / 四分位距 |
+# | CUDA event | CUDA 事件 |
+# | overflow / infinity | 溢出 / 无穷大 |
+# | computation graph | 计算图 |
+# | contiguous / stride | 连续 / 步长 |
+# | throughput / peak | 吞吐量 / 峰值 |
+# | arithmetic intensity | 计算强度（算术强度） |
+# | memory bandwidth | 内存带宽 |
+# | roofline model | 屋顶线模型 |
+# | thread | 线程 |
