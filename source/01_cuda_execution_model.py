@@ -325,9 +325,10 @@ print(f"{size}x{size} naive matmul on the {kernel_target()} matches torch "
 # distinct sectors per warp request. It therefore works with or without a GPU.
 # It models addresses only - no caches, no timing.
 #
-# Here is a gather kernel, `out[i] = src[idx[i]]`, and three index arrays: the
-# identity (coalesced), a stride of 8 floats (a permutation that visits every
-# 8th element first), and a random permutation.
+# Here is a gather kernel, `out[i] = src[idx[i]]`, and four index arrays: the
+# identity (coalesced), strides of 2 and of 8 floats (permutations that visit
+# every 2nd or 8th element first, so neighbouring threads read elements that
+# far apart), and a random permutation.
 
 # %%
 @cuda.jit
@@ -358,8 +359,10 @@ for name, idx in patterns.items():  # the kernel really computes the gather
 print("gather kernel checked on", list(patterns))
 
 # %% [markdown]
-# The index expression of `gather` for the tracer: thread `i` reads `idx[i]`
-# (always coalesced), then `src[idx[i]]` (the pattern), then writes `out[i]`.
+# The index expression of `gather` for the tracer. Thread `i` reads `idx[i]`,
+# then `src[idx[i]]`, then writes `out[i]`; the first and last are coalesced
+# for every pattern, so we trace only the load of `src[idx[i]]`, the one whose
+# pattern varies.
 
 # %%
 def gather_accesses(idx):
@@ -536,7 +539,7 @@ _ = reference.show("01.divergence_ratio", unit="x (divergent time / uniform time
 # %%
 if on_gpu:
     p = torch.cuda.get_device_properties(device)
-    regs = cuda.get_current_device().MAX_REGISTERS_PER_MULTIPROCESSOR
+    regs = getattr(cuda.get_current_device(), "MAX_REGISTERS_PER_MULTIPROCESSOR", None)
     bus, clock = getattr(p, "memory_bus_width", 0), getattr(p, "memory_clock_rate", 0)
     facts = {
         "device": p.name,
@@ -571,13 +574,17 @@ for k, v in facts.items():
 # copies are fast; once they spill to main memory (RAM or HBM), bandwidth drops
 # to what that memory delivers. Look for the step down on the right of the
 # curve. On the left, the smallest copies are held back by the fixed cost of
-# each call (a kernel launch on a GPU), so the curve first rises.
+# each call (a kernel launch on a GPU), so the curve first rises. On a CPU the
+# copy runs on one thread, so the caches are those of one core; a busy machine
+# makes the curve noisy, so run it again if it looks ragged.
 
 # %%
 def copy_bandwidth(n_bytes):
     x = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     y = torch.empty_like(x)
-    t = bench(y.copy_, x, min_run_time=0.03).median
+    # one CPU thread: one core's caches, and steadier on a machine shared with others
+    t = bench(y.copy_, x, min_run_time=0.03,
+              num_threads=for_device(device, cpu=1, gpu=None)).median
     return 2 * n_bytes / t / 1e9  # read x and write y
 
 
@@ -821,7 +828,7 @@ def run_job(workers, serial_iters, parallel_iters, pool):
     return t1 - t0, t2 - t1
 
 
-serial_iters, parallel_iters = 200_000, 1_600_000
+serial_iters, parallel_iters = 400_000, 3_600_000
 if "fork" in mp.get_all_start_methods():
     with mp.get_context("fork").Pool(2) as pool:
         pool.map(burn, [1000, 1000])                # start the workers before timing
@@ -852,10 +859,11 @@ else:
     print("this platform has no 'fork' start method; run the chapter on Linux to measure")
 
 # %% [markdown]
-# The measured point should be close to the prediction, and usually a little
-# below it: handing work to the pool and collecting results is more serial
-# work. If the load average printed above is near the number of cores, other
-# programs are using them and the measured speed-up falls further. Amdahl's law
+# On an otherwise idle machine the measured point should be close to the
+# prediction, and a little below it: handing work to the pool and collecting
+# results is more serial work. If the load average printed above is near or
+# above the number of cores, other programs are using them, and the measured
+# speed-up falls well below the curve - there is no free core to gain. Amdahl's law
 # assumes perfect splitting, no overhead and idle processors, so it is an upper
 # bound.
 #
@@ -878,7 +886,7 @@ __global__ void vector_add(const float *a, const float *b, float *c, int n)
 """
 
 try:
-    import pycuda.autoinit  # noqa: F401  (creates a context on GPU 0)
+    import pycuda.autoprimaryctx  # noqa: F401  (GPU 0's primary context, as torch's)
     import pycuda.driver as drv
     from pycuda.compiler import SourceModule
     why_not = None if on_gpu else "there is no GPU"
