@@ -337,7 +337,9 @@ for entry in reference.show("03.two_streams"):
 # single matmul has too few output tiles to keep every SM busy. For the
 # smallest sizes both runs are limited by how fast Python can queue kernels,
 # so streams cannot help there either. The timelines show the same thing
-# kernel by kernel:
+# kernel by kernel. (`torch.profiler` records the same kind of per-kernel
+# spans, and more, and can export them as a trace to open in a browser;
+# events around each kernel are enough here.)
 
 # %%
 show_reference_timeline("03.two_streams_timeline", "one_stream",
@@ -393,8 +395,8 @@ try:
     for intra in sorted({1, default_threads}):
         torch.set_num_threads(intra)
         run_cpu_streams(n_cpu, 2, threads=False)  # warm-up
-        seq = min(run_cpu_streams(n_cpu, reps_cpu, False) for _ in range(5))
-        par = min(run_cpu_streams(n_cpu, reps_cpu, True) for _ in range(5))
+        seq = min(run_cpu_streams(n_cpu, reps_cpu, False) for _ in range(3))
+        par = min(run_cpu_streams(n_cpu, reps_cpu, True) for _ in range(3))
         cpu_results[intra] = (seq, par)
         print(f"{intra} intra-op thread(s) per matmul: one after the other "
               f"{seq[0] * 1e3:.1f} ms, two threads {par[0] * 1e3:.1f} ms, "
@@ -406,7 +408,7 @@ finally:
 # On two idle cores, with one intra-op thread the threaded run should be
 # faster (up to 2x), and with torch's default thread count it should not be
 # (each matmul already uses every core, so the threads only take turns).
-# Each figure is the best of five runs. On a machine shared with other work
+# Each figure is the best of three runs. On a machine shared with other work
 # (a CI runner, a virtual machine whose cores are shared with other guests)
 # the numbers jump from run to run, and the default-thread case can look
 # very different: torch's intra-op threads assume they own the cores, so
@@ -567,8 +569,10 @@ for mode in MODES:
 # whatever the fresh pinned memory held: zeros, or values left from an earlier
 # use. No error is raised. The fix is to wait before reading: an event
 # recorded after the copy (`ev.synchronize()`), the stream, or the device.
-# Host-to-device `non_blocking` copies have no such trap, because later GPU
-# work on the same stream is queued behind the copy.
+# Host-to-device `non_blocking` copies do not have this trap, because later
+# GPU work on the same stream is queued behind the copy; their trap is the
+# reverse one: do not overwrite the pinned source on the CPU before the copy
+# has run.
 
 # %%
 def d2h_read(value, wait):
@@ -769,21 +773,24 @@ print(f"one batch: load {load_s * 1e3:.1f} ms, train {step_s * 1e3:.1f} ms "
 # - `num_workers=1`: one worker loads while the main process trains: about
 #   $n\max(L, T)$, if there is a free core for each.
 # - `num_workers=2`: two workers load at once, but on a two-core machine three
-#   busy processes share two cores, so the whole job cannot take less than
+#   busy processes share two cores, so the whole job takes at least about
 #   the total CPU work divided by the cores, $n(L+T)/\text{cores}$.
 #
-# Two costs are not in these bounds: a batch made in a worker must be handed
+# These are estimates: $L$ and $T$ are measured alone, a moment before the
+# epochs, and on a busy machine they drift, so read them as rough.
+#
+# Two costs are not in these estimates: a batch made in a worker must be handed
 # to the main process (through shared memory), and a batch may take *longer*
 # to make in a worker
 # than in the main process when the processes share cores: with other
 # programs, with each other, or with other virtual machines on the same host.
-# The cell below prints the measured epoch times beside the bounds, and the
+# The cell below prints the measured epoch times beside the estimates, and the
 # median time to make one batch in each setting (from the timelines), so you
 # can see which of these limits this machine.
 
 # %%
 n_batches, cores = N_BATCHES, usable_cores()
-bounds = {0: n_batches * (load_s + step_s),
+estimates = {0: n_batches * (load_s + step_s),
           1: n_batches * max(load_s, step_s, (load_s + step_s) / cores),
           2: n_batches * max(load_s / 2, step_s, (load_s + step_s) / cores)}
 print(f"{cores} usable cores, {n_batches} batches per epoch")
@@ -791,7 +798,7 @@ for k in (0, 1, 2):
     loads = sorted(end - start for lane, start, end, _ in epoch_spans[k]
                    if lane.endswith("load"))
     print(f"num_workers={k}: measured {epoch_times[k]:.3f} s, "
-          f"ideal overlap {bounds[k]:.3f} s, speed-up over 0 workers "
+          f"estimate {estimates[k]:.3f} s, speed-up over 0 workers "
           f"{epoch_times[0] / epoch_times[k]:.2f}x, median load per batch "
           f"{loads[len(loads) // 2] * 1e3:.1f} ms")
 
