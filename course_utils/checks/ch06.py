@@ -23,8 +23,12 @@ PLACEHOLDER = ("the placeholder `raise NotImplementedError`",
                "replace that line with your code and run the exercise cell again")
 
 
-def _run(exercise: str, rank_fn: Callable, args: tuple, hints: dict[str, str]):
-    """Launch ``rank_fn`` on 2 ranks; turn a failure into a friendly message."""
+def _run(exercise: str, rank_fn: Callable, args: tuple,
+         known: dict[str, tuple[str, str, str]]):
+    """Launch ``rank_fn`` on 2 ranks; turn a failure into a friendly message.
+
+    ``known`` maps a text in the failing rank's error to (expected, seen, hint).
+    """
     if not callable(args[0]):
         fail(exercise, "a function", f"{type(args[0]).__name__} {args[0]!r:.60}",
              "run the exercise cell that defines it first")
@@ -34,9 +38,9 @@ def _run(exercise: str, rank_fn: Callable, args: tuple, hints: dict[str, str]):
         first = str(e).splitlines()[0]
         if "NotImplementedError" in first:
             fail(exercise, "your solution in the exercise cell", *PLACEHOLDER)
-        for key, hint in hints.items():
+        for key, (expected, seen, hint) in known.items():
             if key in first:
-                fail(exercise, "every rank to finish", first, hint)
+                fail(exercise, expected, f"{seen} ({first})", hint)
         fail(exercise, "every rank to finish", first, "read the rank's traceback above")
     except LaunchTimeout as e:
         fail(exercise, "every rank to finish", str(e).splitlines()[0],
@@ -60,17 +64,19 @@ def _gradient_rank(rank: int, world_size: int, average_gradients: Callable):
 
 def _close(a: list, b: list) -> bool:
     return all(u is not None and torch.allclose(u, v, rtol=1e-5, atol=1e-7)
-               for u, v in zip(a, b))
+               for u, v in zip(a, b, strict=True))
 
 
 def check_average_gradients(average_gradients: Callable) -> None:
     """Exercise 6.1: each .grad becomes the mean of that gradient over the ranks."""
     ex = "6.1"
     ranks = _run(ex, _gradient_rank, (average_gradients,),
-                 {"AVG": "gloo has no ReduceOp.AVG: all_reduce with SUM, then divide"})
+                 {"AVG": ("an all_reduce this backend supports",
+                          "ReduceOp.AVG refused",
+                          "all_reduce with SUM, then divide by the world size")})
     (local0, after0), (local1, after1) = ranks
-    mean = [(a + b) / 2 for a, b in zip(local0, local1)]
-    total = [a + b for a, b in zip(local0, local1)]
+    mean = [(a + b) / 2 for a, b in zip(local0, local1, strict=True)]
+    total = [a + b for a, b in zip(local0, local1, strict=True)]
     for rank, (local, after) in enumerate(ranks):
         if _close(after, mean):
             continue
@@ -132,7 +138,8 @@ def check_epoch_batches(epoch_batches: Callable) -> None:
                  "use DistributedSampler(dataset, num_replicas=world_size, rank=rank)")
         if sorted(shares[0] + shares[1]) != list(range(n)):
             fail(ex, f"the ranks together to cover all {n} samples once per epoch",
-                 f"{len(set(shares[0] + shares[1]))} different samples in epoch {epoch}")
+                 f"{len(set(shares[0] + shares[1]))} different samples "
+                 f"in epoch {epoch}")
     orders = [[s for b in e for s in b] for e in seen[0]]
     if orders[0] == sorted(orders[0]):
         fail(ex, "a shuffled order", f"rank 0 in order: {orders[0]}",
@@ -159,7 +166,8 @@ class _LoadedTooEarly(RuntimeError):
 
 def _checkpoint_rank(rank: int, world_size: int, save_then_load: Callable,
                      path: str):
-    events, real_save, real_load, real_barrier = [], torch.save, torch.load, dist.barrier
+    events = []
+    real_save, real_load, real_barrier = torch.save, torch.load, dist.barrier
 
     def slow_save(obj, f, *args, **kwargs):
         events.append("save")
@@ -178,11 +186,14 @@ def _checkpoint_rank(rank: int, world_size: int, save_then_load: Callable,
         events.append("barrier")
         return real_barrier(*args, **kwargs)
 
-    torch.save, torch.load, dist.barrier = slow_save, watched_load, watched_barrier
     torch.manual_seed(rank)  # different weights on each rank
     model = torch.nn.Linear(4, 3)
     before = [p.detach().clone() for p in model.parameters()]
-    save_then_load(model, rank, path)
+    torch.save, torch.load, dist.barrier = slow_save, watched_load, watched_barrier
+    try:
+        save_then_load(model, rank, path)
+    finally:
+        torch.save, torch.load, dist.barrier = real_save, real_load, real_barrier
     return events, before, [p.detach().clone() for p in model.parameters()]
 
 
@@ -194,9 +205,12 @@ def check_save_then_load(save_then_load: Callable) -> None:
     with tempfile.TemporaryDirectory(prefix="ch06_ckpt_") as tmp:
         path = str(Path(tmp) / "model.pt")
         ranks = _run(ex, _checkpoint_rank, (save_then_load, path),
-                     {"_LoadedTooEarly": "loaded before the barrier: " + barrier_hint,
-                      "FileNotFoundError": "rank 1 read the file before rank 0 had "
-                                           "written it: " + barrier_hint})
+                     {"_LoadedTooEarly": ("rank 1 to load after the barrier",
+                                          "a checkpoint loaded before the barrier",
+                                          barrier_hint),
+                      "FileNotFoundError": ("rank 1 to load after rank 0 has saved",
+                                            "rank 1 read the file before rank 0 had "
+                                            "written it", barrier_hint)})
     (events0, before0, _), (events1, _, after1) = ranks
     if "save" in events1:
         fail(ex, "only rank 0 to save", "a checkpoint saved from every rank",
@@ -209,7 +223,8 @@ def check_save_then_load(save_then_load: Callable) -> None:
              "a barrier before the save on rank 0", barrier_hint)
     for rank, events in enumerate((events0, events1)):
         if "load" not in events:
-            fail(ex, "every rank to load the checkpoint", f"no torch.load on rank {rank}")
+            fail(ex, "every rank to load the checkpoint",
+                 f"no torch.load on rank {rank}")
         if ("map_location", False) in events:
             fail(ex, "torch.load(..., map_location=device)",
                  "a load without map_location",
@@ -218,7 +233,7 @@ def check_save_then_load(save_then_load: Callable) -> None:
             fail(ex, "weights_only=True", "weights_only=False",
                  "a checkpoint holds only tensors; weights_only=True refuses to run "
                  "code hidden in a file")
-    if not all(torch.equal(a, b) for a, b in zip(after1, before0)):
+    if not all(torch.equal(a, b) for a, b in zip(after1, before0, strict=True)):
         fail(ex, "rank 1's model to hold rank 0's saved weights afterwards",
              "other weights on rank 1", "load_state_dict the loaded state into model")
     passed(ex, "One writer, a barrier, and every rank loads onto its own device.")

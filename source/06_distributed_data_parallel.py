@@ -1,0 +1,842 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 6: DistributedDataParallel
+#
+# **What you will learn**
+#
+# - Why data parallel training runs **one process per device**, and what rank,
+#   world size and local rank mean.
+# - How to start the processes: `torchrun` for scripts (one machine or several
+#   "nodes"), and a launcher for functions written in a notebook.
+# - Why two-rank DDP *is* big-batch training: the gradient all-reduce, shown
+#   numerically, and how `DistributedSampler` and `set_epoch` shard the data.
+# - The collectives (broadcast, all_reduce, all_gather, reduce_scatter, scatter,
+#   gather, barrier, send/recv, the `*_object` variants), what they cost, and
+#   the key-value stores underneath.
+# - Checkpointing and logging correctly: save on rank 0, barrier, load with
+#   `map_location`; average a loss across ranks.
+#
+# **Hardware.** Everything here runs for real on a laptop: the ranks are CPU
+# processes that talk through the `gloo` backend over the loopback network. With
+# a GPU for every rank, the launcher picks `nccl` and each rank uses its own GPU;
+# the collective timings are then recorded as reference results. Without GPUs,
+# those cells show the recorded GPU figures beside the local ones.
+
+# %%
+import os
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from course_utils import banner, reference
+from course_utils.checks.ch06 import (
+    check_average_gradients,
+    check_epoch_batches,
+    check_save_then_load,
+)
+from course_utils.dist import choose_backend, free_port, launch
+
+banner()
+
+# %% [markdown]
+# ## 1. One process per device
+#
+# Data parallel training keeps a full copy of the model on every device and gives
+# each copy a different slice of every batch. PyTorch's `DistributedDataParallel`
+# (DDP) runs **one operating-system process per device**. Each process is a
+# *rank*, numbered `0 .. world_size - 1`; the *world size* is how many ranks take
+# part. On several machines ("nodes"), the *local rank* numbers the processes of
+# one node, and it, not the global rank, picks the GPU: rank 9 on the second of
+# two 8-GPU nodes uses `cuda:1`. (The seed slides write
+# `torch.device('cuda', rank)`, which fails on every node but the first.)
+#
+# Why processes and not threads? Each process has its own Python interpreter and
+# its own GIL, so the Python work of the ranks runs truly in parallel. The price
+# is that they share nothing: they must exchange gradients through a
+# communication *backend* (`nccl` between GPUs, `gloo` between CPUs).
+#
+# `launch(fn, nprocs)` from `course_utils.dist` starts the processes from this
+# notebook, sets up a process group in each and calls `fn(rank, world_size)`.
+# It prints which start method and backend it chose, and returns what each rank
+# returned, with its printed output.
+
+# %%
+def hello(rank, world_size):
+    print(f"I am rank {rank} of {world_size}, process {os.getpid()}, "
+          f"backend {dist.get_backend()}")
+    return os.getpid()
+
+
+results = launch(hello, nprocs=2)
+print("notebook process:", os.getpid(), "- rank processes:", [r.value for r in results])
+
+# %% [markdown]
+# Every rank ran the *same* function and learned which part it plays only from
+# its rank. That is the SPMD style (single program, multiple data) that all of
+# distributed PyTorch uses. Three more facts about the launcher, because they
+# matter in every chapter that uses it:
+#
+# - It **forks** the notebook's process, so functions defined in the notebook
+#   work. A forked process cannot use CUDA if the parent already has, so once
+#   CUDA is initialised it spawns fresh interpreters instead (for functions
+#   importable from a module) or refuses, saying why.
+# - It finds a free port on `127.0.0.1` for the ranks to meet at, and sets the
+#   same environment variables as `torchrun` does (below).
+# - It stops every rank on a timeout, when one rank fails, or when you press
+#   *interrupt*: a rank that dies leaves the others waiting forever in their next
+#   collective, so the launcher ends them and names the ranks that failed.
+
+# %%
+def stuck(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up before the all_reduce")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which never comes
+
+
+try:
+    launch(stuck, nprocs=2, timeout=20)
+except Exception as e:
+    print(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+
+# %% [markdown]
+# ## 2. torchrun: the launcher for scripts
+#
+# In real training you write a script and start it with `torchrun`. It starts
+# `--nproc_per_node` copies of the script and tells each one who it is through
+# environment variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+# `MASTER_ADDR`, `MASTER_PORT`. The script then calls `init_process_group()`,
+# which reads them (the `env://` rendezvous). The old
+# `python -m torch.distributed.launch` that the seed slides also list is
+# deprecated; it passed `--local_rank` as an argument instead.
+#
+# The script below is a complete DDP training run. Read it top to bottom: every
+# line of it returns later in this chapter.
+
+# %%
+# ruff: noqa: F811 - the script below repeats the imports, as a standalone file must
+WORK = Path("build/ch06")  # build/ is ignored by git
+WORK.mkdir(parents=True, exist_ok=True)
+SCRIPT = WORK / "train_ddp.py"
+
+# %%
+# %%writefile {SCRIPT}
+"""Train a tiny regression model with DDP. Start it with torchrun."""
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def main(epochs=3):
+    local_rank = int(os.environ["LOCAL_RANK"])
+    gpus_here = torch.cuda.device_count()
+    use_gpu = gpus_here >= int(os.environ["LOCAL_WORLD_SIZE"])  # one GPU per rank
+    dist.init_process_group("nccl" if use_gpu else "gloo")  # reads the env vars
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)
+
+    torch.manual_seed(0)  # the same data set on every rank
+    x = torch.randn(256, 8)
+    y = x @ torch.arange(1.0, 9.0).unsqueeze(1) + 0.1 * torch.randn(256, 1)
+    data = TensorDataset(x, y)  # inputs and targets travel together
+    sampler = DistributedSampler(data, shuffle=True, seed=0)  # this rank's share
+    loader = DataLoader(data, batch_size=16, sampler=sampler)  # 16 per rank
+
+    model = DDP(nn.Linear(8, 1).to(device),  # move first, then wrap
+                device_ids=[local_rank] if use_gpu else None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
+        total = torch.zeros(2, device=device)  # sum of losses, number of samples
+        for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
+            loss = nn.functional.mse_loss(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()  # DDP all-reduces the gradients here
+            opt.step()
+            total += torch.stack([loss.detach() * len(xb),
+                                  torch.tensor(len(xb), device=device)])
+        dist.all_reduce(total)  # every rank must call it, or all wait forever
+        if rank == 0:
+            print(f"epoch {epoch}: mean loss {(total[0] / total[1]).item():.4f} "
+                  f"over {int(total[1])} samples")
+
+    checkpoint = Path(__file__).with_name("checkpoint.pt")
+    if rank == 0:  # one writer; the .module inside DDP has the plain names
+        torch.save(model.module.state_dict(), checkpoint)
+    dist.barrier()  # nobody reads before rank 0 has finished writing
+    state = torch.load(checkpoint, map_location=device, weights_only=True)
+    model.module.load_state_dict(state)
+    print(f"rank {rank} of {world_size} (local rank {local_rank}, node "
+          f"{os.environ.get('GROUP_RANK', '0')}): weight[:3] = "
+          f"{model.module.weight[0, :3].tolist()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+
+# %% [markdown]
+# Now run it with `torchrun --standalone --nproc_per_node=2`. We call torchrun as
+# `python -m torch.distributed.run` with this notebook's Python, so the same
+# environment is used; on the command line you would type `torchrun ...`.
+# `--standalone` runs the rendezvous on this machine, and `--tee=3` copies each
+# worker's stdout and stderr to torchrun's, prefixing every line with the worker's
+# role and local rank (`[default0]:`), so that the lines of two ranks never mix.
+
+# %%
+def run_command(cmd, timeout=120):
+    """Run a command, print what it printed, fail the cell if it failed."""
+    print("$", " ".join(map(str, cmd)))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    print(done.stdout, end="")
+    if done.returncode != 0:
+        raise RuntimeError(f"exit code {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+start = time.perf_counter()
+run_command(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--tee=3", SCRIPT])
+print(f"torchrun took {time.perf_counter() - start:.1f} s in all")
+
+# %% [markdown]
+# Both ranks print the same weights: they started from the same seed, DDP
+# broadcast rank 0's parameters when it wrapped the model, and every step applied
+# the same averaged gradient.
+#
+# The notebook launcher can run the very same script: it sets the same
+# environment variables, and with `init=False` it leaves `init_process_group` to
+# the script. Compare the two times: the training is identical, so the
+# difference is what it costs torchrun to start three fresh Python processes
+# (its agent and two workers) that each import torch. Forked ranks start with
+# torch already imported.
+
+# %%
+def run_script(rank, world_size, path):
+    runpy.run_path(str(path), run_name="__main__")
+
+
+start = time.perf_counter()
+launch(run_script, nprocs=2, args=(SCRIPT,), init=False)
+print(f"the launcher took {time.perf_counter() - start:.1f} s in all")
+
+# %% [markdown]
+# ## 3. Sharding the data: `DistributedSampler` and `set_epoch`
+#
+# Each rank must see a different part of every epoch, or the ranks would compute
+# the same gradient twice. `DistributedSampler` shuffles the indices with a
+# seed, pads them so that they divide evenly, and gives rank `r` every
+# `world_size`-th index starting at `r`. The `batch_size` of the `DataLoader` is
+# therefore **per rank**: two ranks with `batch_size=16` train with a global
+# batch of 32. (With `nn.DataParallel`, which the seed notes describe, it is the
+# other way round: one batch is split across the GPUs.)
+#
+# The shuffle is seeded with `seed + epoch`, and the sampler only knows the epoch
+# if you tell it with `set_epoch`. Forget it and every epoch visits the data in
+# the same order. `DistributedSampler` needs no process group when it is given
+# `num_replicas` and `rank`, so we can look at its choices right here.
+
+# %%
+numbers = TensorDataset(torch.arange(12))
+
+
+def indices_per_epoch(rank, world_size, epochs, call_set_epoch):
+    sampler = DistributedSampler(numbers, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=0)
+    orders = []
+    for epoch in range(epochs):
+        if call_set_epoch:
+            sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
+for call_set_epoch in (True, False):
+    print(f"set_epoch called: {call_set_epoch}")
+    per_rank = [indices_per_epoch(r, 2, 3, call_set_epoch) for r in range(2)]
+    for epoch in range(3):
+        print(f"  epoch {epoch}: rank 0 gets {per_rank[0][epoch]}, "
+              f"rank 1 gets {per_rank[1][epoch]}")
+
+# %% [markdown]
+# With `set_epoch` the order changes each epoch; without it the three epochs are
+# identical. In both cases the two ranks' indices are disjoint and together cover
+# all 12 samples. When the data set does not divide evenly, the sampler repeats a
+# few samples so that every rank runs the same number of steps (a rank with one
+# step fewer would leave the others waiting in the gradient all-reduce):
+
+# %%
+shares = [list(DistributedSampler(TensorDataset(torch.arange(10)), num_replicas=4,
+                                  rank=r, shuffle=False)) for r in range(4)]
+print("10 samples on 4 ranks:", shares)
+print("samples seen twice:", sum(map(len, shares)) - 10)
+
+# %% [markdown]
+# ## 4. DDP is big-batch training
+#
+# Why may each rank train on only its share? Because the loss of a batch is a
+# mean over its samples, and the gradient of a mean is the mean of the
+# gradients. If rank `r` computes the gradient $g_r$ of the mean loss over its
+# half of the batch, then $(g_0 + g_1) / 2$ is the gradient of the mean loss over
+# the whole batch. DDP computes exactly that during `loss.backward()`: it
+# **all-reduces** (sums across ranks) the gradients, in buckets, overlapping the
+# communication with the rest of the backward pass, and divides by the world
+# size. After the step, all ranks hold the same parameters again.
+#
+# The proof is numerical: train one model for a few steps on the full batch in
+# this process, and the same model with two DDP ranks on half the batch each.
+
+# %%
+STEPS = 4
+
+
+def make_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    return model, x, y
+
+
+def train(model, x, y, steps):
+    """SGD on (x, y); the gradients of step 0 and the parameters after each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads0, params = None, []
+    for step in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            grads0 = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return grads0, params
+
+
+def train_ddp(rank, world_size, steps):
+    model, x, y = make_problem()
+    share = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+    return train(DDP(model), x[share], y[share], steps)
+
+
+single = train(*make_problem(), STEPS)
+ranks = [r.value for r in launch(train_ddp, nprocs=2, args=(STEPS,))]
+
+
+def max_diff(a, b):
+    return max((u - v).abs().max().item() for u, v in zip(a, b, strict=True))
+
+
+print(f"step 0 gradients, rank 0 vs one process: {max_diff(ranks[0][0], single[0]):.2e}")
+for step in (0, STEPS - 1):
+    print(f"parameters after step {step}: rank 0 vs one process "
+          f"{max_diff(ranks[0][1][step], single[1][step]):.2e}, rank 0 vs rank 1 "
+          f"{max_diff(ranks[0][1][step], ranks[1][1][step]):.2e}")
+print(f"step 0 gradients, rank 0 vs rank 1 before averaging would differ; after: "
+      f"{max_diff(ranks[0][0], ranks[1][0]):.2e}")
+
+# %% [markdown]
+# The differences are at the level of float32 rounding (about 1e-7), not zero:
+# summing in another order rounds differently. Two conditions make the equality
+# exact in exact arithmetic, and breaking either changes the training:
+# the loss must be a **mean** over each rank's samples, and the shares must be
+# the **same size** (DDP divides by the world size, not by the number of
+# samples). This is also why the learning rate is tied to the *global* batch:
+# doubling the ranks at a fixed per-rank batch doubles the batch.
+#
+# `nn.DataParallel` (Chapter 5) reaches the same gradients differently: **one**
+# process with one thread per GPU, which scatters each batch, replicates the
+# model every step, and gathers the outputs on GPU 0. The threads share one GIL,
+# and GPU 0 holds the gathered outputs and the loss, so it runs out of memory
+# first. DDP's processes avoid both, and also work across machines, which is why
+# PyTorch recommends DDP even on a single machine.
+
+# %% [markdown]
+# ## 5. The collectives
+#
+# DDP is built on *collectives*: operations that every rank of a group calls,
+# and that complete only when all have called them. Each example below runs on
+# two ranks; `rank_device` puts the tensors on the rank's GPU under `nccl`, on
+# the CPU under `gloo`. The output arguments must be tensors of the right size,
+# allocated before the call: the collectives fill them in place.
+#
+# **broadcast** copies `src`'s tensor to every rank; **all_reduce** combines
+# every rank's tensor (sum, product, min, max) and leaves the result on all of
+# them, *in the same tensor*: the input is overwritten (the seed slides call it an
+# input only). **reduce** leaves the result on one rank.
+
+# %%
+def rank_device(rank):
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def broadcast_and_reduce(rank, world_size):
+    d = rank_device(rank)
+    t = torch.tensor([10.0 * rank], device=d)
+    dist.broadcast(t, src=1)
+    print("broadcast from rank 1:", t.tolist())
+    t = torch.tensor([rank + 1.0, 2.0 * rank], device=d)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # in place
+    print("all_reduce sum:", t.tolist())
+    t = torch.tensor([rank + 1.0], device=d)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    print("all_reduce max:", t.tolist())
+    t = torch.tensor([rank + 1.0], device=d)
+    dist.reduce(t, dst=0)  # only rank 0's tensor holds the sum afterwards
+    print("reduce to rank 0:", t.tolist())
+
+
+_ = launch(broadcast_and_reduce, nprocs=2)
+
+# %% [markdown]
+# **all_gather** gives every rank the list of all ranks' tensors; **gather**
+# gives it to one rank only. **scatter** is the reverse of gather: one rank
+# sends a different piece to each. **reduce_scatter** sums the ranks' lists
+# element-wise and gives piece `r` of the sum to rank `r`; an all_reduce is a
+# reduce_scatter followed by an all_gather, which is how ring all-reduce works
+# and what sharded training (ZeRO, FSDP) builds on.
+
+# %%
+def gather_and_scatter(rank, world_size):
+    d = rank_device(rank)
+    mine = torch.tensor([rank * 1.0, rank * 1.0 + 0.5], device=d)
+    everyone = [torch.zeros(2, device=d) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
+    print("all_gather:", [t.tolist() for t in everyone])
+    at_root = [torch.zeros(2, device=d) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(mine, gather_list=at_root, dst=0)
+    print("gather to rank 0:", [t.tolist() for t in at_root] if at_root else None)
+    piece = torch.zeros(1, device=d)
+    pieces = [torch.tensor([100.0 + r], device=d) for r in range(world_size)]
+    dist.scatter(piece, scatter_list=pieces if rank == 0 else None, src=0)
+    print("scatter from rank 0:", piece.tolist())
+    out = torch.zeros(1, device=d)
+    dist.reduce_scatter(out, [torch.tensor([rank + 10.0 * r], device=d)
+                              for r in range(world_size)])
+    print("reduce_scatter:", out.tolist())
+
+
+_ = launch(gather_and_scatter, nprocs=2)
+
+# %% [markdown]
+# **barrier** waits until every rank has reached it. **send** and **recv** are
+# point to point: one rank sends, one named rank receives, into a tensor of the
+# right size that it allocated. Both block until the transfer is done (`isend`
+# and `irecv` return a handle to `wait()` on instead).
+
+# %%
+def barrier_and_p2p(rank, world_size):
+    d = rank_device(rank)
+    time.sleep(0.3 * rank)
+    start = time.perf_counter()
+    dist.barrier()
+    print(f"waited {time.perf_counter() - start:.2f} s at the barrier")
+    if rank == 0:
+        dist.send(torch.arange(3.0, device=d), dst=1)
+    else:
+        box = torch.zeros(3, device=d)
+        dist.recv(box, src=0)
+        print("received from rank 0:", box.tolist())
+
+
+_ = launch(barrier_and_p2p, nprocs=2)
+
+# %% [markdown]
+# Rank 1 slept 0.3 s before the barrier, so rank 0 waited there about that long,
+# and rank 1, the last to arrive, hardly waited at all.
+#
+# The **`*_object` variants** move any picklable Python object:
+# `broadcast_object_list`, `all_gather_object`, `gather_object`,
+# `scatter_object_list`, `send_object_list` and `recv_object_list`. There is no
+# `reduce_object` (what would "sum" mean for arbitrary objects?), despite what
+# the seed slides say. They need picklable objects on *every* backend, not only
+# on nccl; under nccl they also copy the bytes through GPU memory, so each rank
+# must have called `torch.cuda.set_device`. They cost more: pickling, a first
+# collective that exchanges the sizes, then the bytes. And unpickling runs code,
+# so use them only between processes you trust.
+
+# %%
+def objects(rank, world_size):
+    config = [{"lr": 0.1, "note": "from rank 0"}] if rank == 0 else [None]
+    dist.broadcast_object_list(config, src=0)
+    print("broadcast_object_list:", config)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, {"rank": rank, "pid": os.getpid()})
+    print("all_gather_object:", everyone)
+
+    d = rank_device(rank)
+    t = torch.zeros(256, device=d)
+    timings = {}
+    for name, call in [("all_gather of a tensor",
+                        lambda: dist.all_gather([torch.empty_like(t)] * world_size, t)),
+                       ("all_gather_object of the same tensor",
+                        lambda: dist.all_gather_object([None] * world_size, t))]:
+        call()  # warm-up
+        start = time.perf_counter()
+        for _ in range(50):
+            call()
+        timings[name] = (time.perf_counter() - start) / 50
+    return timings
+
+
+timings = launch(objects, nprocs=2)[0].value
+for name, seconds in timings.items():
+    print(f"{name:38s} {seconds * 1e6:8.1f} us per call")
+ratio = timings["all_gather_object of the same tensor"] / timings["all_gather of a tensor"]
+print(f"the object version takes {ratio:.1f} x as long here")
+
+# %% [markdown]
+# ### What a collective costs
+#
+# For a message of $S$ bytes that takes $t$ seconds, the **algorithmic
+# bandwidth** is $S / t$: how fast the operation as a whole moves your data.
+# For all_reduce, a ring implementation sends and receives $2(n-1)/n \cdot S$
+# bytes per rank, so the **bus bandwidth** $2(n-1)/n \cdot S/t$ is what the
+# links actually carried, and is the figure to compare with the hardware's link
+# speed (nccl-tests reports both). Small messages are dominated by a fixed
+# latency per call, so their bandwidth is low; large messages approach the
+# link's bandwidth. Here the "links" are the loopback network and two CPU cores.
+
+# %%
+SIZES = [2**10, 2**14, 2**18, 2**21]  # bytes of float32
+
+
+def time_all_reduce(rank, world_size, sizes, repeats):
+    d = rank_device(rank)
+    rows = []
+    for size in sizes:
+        t = torch.ones(size // 4, device=d)
+        dist.all_reduce(t)  # warm-up (and connection set-up)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+            times.append(time.perf_counter() - start)
+        rows.append((size, sorted(times)[len(times) // 2]))  # the median
+    return rows
+
+
+backend = choose_backend(2)
+rows = launch(time_all_reduce, nprocs=2, args=(SIZES, 7))[0].value
+n = 2
+print(f"all_reduce on {n} ranks with {backend}")
+print(f"{'bytes':>10} {'time per op':>12} {'algbw':>12} {'busbw':>12}")
+for size, t in rows:
+    algbw = size / t
+    print(f"{size:>10,d} {t * 1e6:>9.0f} us {algbw / 1e9:>8.3f} GB/s "
+          f"{algbw * 2 * (n - 1) / n / 1e9:>8.3f} GB/s")
+print(f"the largest message reaches {rows[-1][0] / rows[-1][1] / (rows[0][0] / rows[0][1]):.0f}"
+      " x the algorithmic bandwidth of the smallest")
+
+# %%
+if backend == "nccl":
+    reference.record("06.allreduce_2gpu", [[s, t] for s, t in rows], "[bytes, s]",
+                     torch.device("cuda", 0), note="2 ranks, nccl, median of 7")
+reference.show("06.allreduce_2gpu")
+
+# %% [markdown]
+# ## 6. Key-value stores
+#
+# Before any collective can run, the ranks must find each other. They do it
+# through a small **key-value store** that all of them can reach: rank 0 opens
+# it, the others connect, and each writes its address. `init_process_group`
+# creates one from `MASTER_ADDR:MASTER_PORT` (a `TCPStore`); you can also use one
+# yourself, to share small values or wait for a signal:
+#
+# - `TCPStore`: a server in one process, clients over TCP: works across
+#   machines.
+# - `FileStore`: a file that all ranks can open: one machine, or a shared file
+#   system.
+# - `HashStore`: a dictionary inside one process, for threads of that process
+#   only (handy in tests).
+
+# %%
+def stores(rank, world_size, port, path):
+    tcp = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0))
+    tcp.set(f"address/{rank}", f"rank {rank} lives in process {os.getpid()}")
+    tcp.add("arrived", 1)  # an atomic counter
+    tcp.wait([f"address/{1 - rank}"])  # block until the other rank has written
+    print("TCPStore:", tcp.get(f"address/{1 - rank}").decode(), "| counter =",
+          tcp.add("arrived", 0))
+
+    files = dist.FileStore(str(path), world_size)
+    dist.init_process_group("gloo", store=files, rank=rank, world_size=world_size)
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    print("all_reduce over a group that met through a FileStore:", t.item())
+    dist.destroy_process_group()
+
+
+store_file = WORK / "filestore"
+store_file.unlink(missing_ok=True)
+_ = launch(stores, nprocs=2, args=(free_port(), store_file), init=False)
+
+hashes = dist.HashStore()  # in this process only
+hashes.set("epoch", "3")
+print("HashStore:", hashes.get("epoch"))
+
+# %% [markdown]
+# ## 7. Checkpoints and logged losses
+#
+# **Saving.** All ranks hold the same parameters, so one copy is enough: only
+# rank 0 writes (two ranks writing one file can leave it corrupt). The others
+# must wait until the file is complete before reading it, hence a `barrier`
+# between the save and the load. Save `ddp_model.module.state_dict()`: the
+# wrapper's own state dict prefixes every name with `module.`, and a plain model
+# will not load it.
+#
+# **Loading.** `torch.save` records the device of every tensor. Without
+# `map_location`, a checkpoint saved from `cuda:0` loads onto `cuda:0` in every
+# rank, which fills GPU 0 and fails on a machine with fewer GPUs. Pass
+# `map_location` (the rank's own device) and `weights_only=True`, which unpickles
+# only tensors and plain containers instead of running arbitrary code (the
+# default since torch 2.6). The seed slides load with neither.
+
+# %%
+def checkpoint_round_trip(rank, world_size, path):
+    torch.manual_seed(rank)  # different weights on each rank, to see the load work
+    model = nn.Linear(3, 1)
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    dist.barrier()
+    state = torch.load(path, map_location=rank_device(rank), weights_only=True)
+    model.load_state_dict(state)
+    return model.weight.detach()
+
+
+ckpt = WORK / "round_trip.pt"
+weights = [r.value for r in launch(checkpoint_round_trip, nprocs=2, args=(ckpt,))]
+print("rank 1 now holds rank 0's weights:", torch.equal(weights[0], weights[1]))
+
+# %% [markdown]
+# **Logging a loss.** Each rank's loss is the loss of its share only. To log the
+# loss of the global batch, all-reduce it and divide by the world size; this is
+# a collective, so *every* rank must call it, even if only rank 0 prints. Work
+# on a detached copy: `all_reduce` writes into its argument, and the seed's
+# `print_averaged_value(value)` overwrites the caller's tensor (and, if that is
+# the loss itself, fails because it is part of the autograd graph).
+
+# %%
+def averaged_for_logging(loss):
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return value / dist.get_world_size()
+
+
+def log_loss(rank, world_size):
+    loss = torch.tensor(float(rank + 1), requires_grad=True) * 2  # 2.0 and 4.0
+    mean = averaged_for_logging(loss)
+    if rank == 0:
+        print(f"rank 0's own loss {loss.item()}, mean over ranks {mean.item()}")
+    return loss.item(), mean.item()
+
+
+values = [r.value for r in launch(log_loss, nprocs=2)]
+print("the local losses were", [v[0] for v in values])
+
+# %% [markdown]
+# ## 8. Several nodes
+#
+# On a cluster, torchrun runs once on **each node**, with the same arguments
+# except the node's own identity. `--nnodes` says how many nodes take part, and
+# a *rendezvous* lets the torchrun agents find each other and agree on the
+# ranks. With `--rdzv_backend=c10d`, one agent hosts a store at
+# `--rdzv_endpoint` (usually the first node's address) and ranks are handed out
+# in the order the nodes join, so `--node_rank` is ignored (torch says so); it
+# matters for the older *static* rendezvous (`--master_addr`, `--master_port`,
+# `--node_rank`), where each node's rank is fixed by hand.
+#
+# We start two "nodes" on this machine, one process each, at the same time.
+
+# %%
+port = free_port()
+node_cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--tee=3",
+                       "--rdzv_backend=c10d",
+                       f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=ch06"]
+nodes = [subprocess.Popen(node_cmd + [f"--node_rank={i}", str(SCRIPT)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         for i in range(2)]
+print("$", " ".join(map(str, node_cmd)), "--node_rank=0|1", SCRIPT)
+try:
+    for i, node in enumerate(nodes):
+        out, err = node.communicate(timeout=120)
+        for line in out.splitlines() + [e for e in err.splitlines() if "node_rank" in e]:
+            print(f"[node {i}] {line}")
+        if node.returncode != 0:
+            raise RuntimeError(f"node {i} failed:\n{err[-3000:]}")
+finally:
+    for node in nodes:
+        node.kill()  # no-op for a finished node; ends the other if one failed
+        node.wait()
+
+# %% [markdown]
+# On a real cluster the scheduler starts one torchrun per node. A Slurm batch
+# script for two nodes with 8 GPUs each looks like this (shown, not run):
+#
+# ```bash
+# #!/bin/bash
+# #SBATCH --job-name=ddp
+# #SBATCH --nodes=2                 # two machines
+# #SBATCH --ntasks-per-node=1       # one torchrun per machine ...
+# #SBATCH --gpus-per-node=8         # ... which starts 8 ranks, one per GPU
+# #SBATCH --cpus-per-task=32
+# #SBATCH --time=01:00:00
+#
+# # the first node of the allocation hosts the rendezvous
+# head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+#
+# srun torchrun \
+#     --nnodes="$SLURM_NNODES" --nproc_per_node=8 \
+#     --rdzv_backend=c10d --rdzv_endpoint="$head:29500" --rdzv_id="$SLURM_JOB_ID" \
+#     train_ddp.py
+# ```
+#
+# `srun` runs the torchrun line once per node; 2 x 8 = 16 ranks meet at the head
+# node. The script itself is unchanged: that is the point of reading the ranks
+# from the environment.
+
+# %% [markdown]
+# ## Summary
+#
+# - DDP runs one process per device; every rank runs the same code and learns
+#   its role from its rank. The local rank, not the global rank, picks the GPU.
+# - `torchrun` starts scripts (one node or many, via a rendezvous) and passes the
+#   ranks in environment variables; a notebook launcher can do the same for
+#   functions, but must choose a start method that is safe and clean up after
+#   failures.
+# - `DistributedSampler` gives each rank a disjoint share; `set_epoch` is needed
+#   for a new shuffle each epoch. The DataLoader's batch size is per rank.
+# - Averaging the gradients with an all-reduce makes N-rank training equal to
+#   single-process training on the N-times larger batch, up to rounding.
+# - Collectives are called by every rank of the group; their latency dominates
+#   small messages, so bandwidth is measured on large ones. `*_object` variants
+#   pickle, and cost more.
+# - Save on rank 0, barrier, load with `map_location` and `weights_only=True`;
+#   average logged losses with an all-reduce divided by the world size.
+
+# %% [markdown]
+# ## Exercises
+#
+# ### Exercise 6.1: average the gradients by hand
+#
+# DDP does this for you during `backward()`. Write `average_gradients(model)`,
+# called on every rank after `loss.backward()`, that replaces each parameter's
+# `.grad` by the mean of that gradient over all ranks. The default all_reduce
+# sums; `dist.get_world_size()` tells you by how much.
+
+# %% tags=["exercise"] exercise="6.1"
+def average_gradients(model):
+    ### BEGIN SOLUTION
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world_size
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="6.1"
+check_average_gradients(average_gradients)
+
+# %% [markdown]
+# ### Exercise 6.2: a new shuffle every epoch
+#
+# Write `epoch_batches(dataset, rank, world_size, epochs, batch_size)` that
+# returns, for each epoch, the list of batches this rank trains on, each batch as
+# the list of its samples (the data set holds the numbers `0 .. n-1`, so a
+# sample is its own index). Use a `DistributedSampler` with `shuffle=True` and a
+# `DataLoader`; every epoch must be shuffled differently, and reproducibly.
+
+# %% tags=["exercise"] exercise="6.2"
+def epoch_batches(dataset, rank, world_size, epochs, batch_size):
+    ### BEGIN SOLUTION
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    seen = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        seen.append([batch[0].tolist() for batch in loader])
+    return seen
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="6.2"
+check_epoch_batches(epoch_batches)
+
+# %% [markdown]
+# ### Exercise 6.3: a checkpoint every rank can trust
+#
+# Write `save_then_load(model, rank, path)`, called on every rank: rank 0 saves
+# the model's `state_dict` to `path`, and then every rank loads it back into its
+# own model, on the device its parameters are on, safely (`weights_only=True`).
+# The checker runs it in two processes whose models start different, and makes
+# rank 0's save slow.
+
+# %% tags=["exercise"] exercise="6.3"
+def save_then_load(model, rank, path):
+    ### BEGIN SOLUTION
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    dist.barrier()
+    device = next(model.parameters()).device
+    model.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="6.3"
+check_save_then_load(save_then_load)
+
+# %% [markdown]
+# ## Glossary
+#
+# | English | 中文 |
+# | --- | --- |
+# | process / rank | 进程 / 进程编号（秩） |
+# | world size | 进程总数（世界大小） |
+# | local rank | 本地进程编号 |
+# | node | 节点 |
+# | process group | 进程组 |
+# | backend (nccl, gloo) | 通信后端 |
+# | collective communication | 集合通信 |
+# | all-reduce | 全归约 |
+# | all-gather | 全收集 |
+# | reduce-scatter | 归约散射 |
+# | broadcast | 广播 |
+# | barrier | 屏障（同步点） |
+# | point-to-point (send/recv) | 点对点通信 |
+# | rendezvous | 汇合（集合点） |
+# | key-value store | 键值存储 |
+# | sampler | 采样器 |
+# | checkpoint | 检查点 |
+# | algorithmic / bus bandwidth | 算法带宽 / 总线带宽 |
