@@ -367,7 +367,10 @@ for entry in reference.show("02.launch_queue"):
 # %% [markdown]
 # ### The same tools, three ways
 #
-# `course_utils` has two timing helpers, both synchronising:
+# `course_utils` has two timing helpers, both synchronising. (d2l's `Benchmark`,
+# which one of the seed posts uses, only reads a clock: it is right only when
+# the timed block itself ends with `torch.cuda.synchronize()`, as that post's
+# blocks do.)
 #
 # - `Benchmark`, a context manager: times one block, waits for the devices on
 #   entry and exit (`sync=False` shows the trap);
@@ -538,14 +541,15 @@ def epoch_sync_once(model, opt, data):
     return total.item() / len(data)  # one wait per epoch
 
 
-def time_epochs(dev, steps):
-    per_step = {}
-    for fn in (epoch_item_every_step, epoch_sync_once):
-        model, opt, data = make_problem(dev, steps)
-        fn(model, opt, data)  # warm-up
-        per_step[fn.__name__] = bench(fn, model, opt, data, min_run_time=0.3,
-                                      warmup=0).median / steps
-    return per_step
+def time_epochs(dev, steps, rounds=3):
+    """Seconds per step of each loop: the median over rounds taken in turns."""
+    loops = (epoch_item_every_step, epoch_sync_once)
+    problems = {fn: make_problem(dev, steps) for fn in loops}
+    times = {fn.__name__: [] for fn in loops}
+    for _ in range(rounds):
+        for fn in loops:
+            times[fn.__name__].append(bench(fn, *problems[fn], min_run_time=0.1).median)
+    return {name: statistics.median(ts) / steps for name, ts in times.items()}
 
 
 cpu_epoch = time_epochs("cpu", steps=20)
@@ -649,7 +653,9 @@ for train in (True, False):
 # column, whose elements are `n` floats apart. What matters is the *stride* of
 # the reduced dimension in memory, not its number. A transposed view `X.t()`
 # swaps the strides without copying, so `dim=0` of the view is a row of `X` -
-# but that does not make it cheap, as the third timing shows.
+# but that does not make it cheap, as the third timing shows. (The seed that
+# raised this timed one call of each on a 50000 x 50000 tensor - 10 GB - with no
+# warm-up; `bench` repeats and takes the median, and the sizes here fit a laptop.)
 
 # %%
 def softmax_times(X):
@@ -667,7 +673,7 @@ print("cpu:", ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in cpu_soft.items()),
       f"| dim=0 / dim=-1 = {cpu_soft['dim=0'] / cpu_soft['dim=-1']:.2f}")
 if on_gpu:
     n = 16384
-    check_fits((n, n), torch.float32, device, copies=2)
+    check_fits((n, n), torch.float32, device, copies=3)  # X, a copy, the output
     gpu_soft = softmax_times(torch.randn(n, n, device=device))
     print(f"{device}:", ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in gpu_soft.items()),
           f"| dim=0 / dim=-1 = {gpu_soft['dim=0'] / gpu_soft['dim=-1']:.2f}")
@@ -698,7 +704,9 @@ for e in reference.show("02.softmax_16384"):
 # multiply-add is two FLOP) x clock. Many cores have two FMA units (twice that),
 # and clocks vary with load, so treat it as an estimate within a factor of two.
 # The memory bandwidth has no probe at all, so we **measure** it with a large
-# copy (reads and writes 64 MiB each way, far more than the caches hold).
+# copy (reads and writes 64 MiB each way, far more than the caches hold). For a
+# peak we keep the *fastest* run, not the median: a peak is what the machine
+# does when nothing else gets in the way.
 
 # %%
 facts = cpu_facts()
@@ -714,17 +722,18 @@ print(f"estimated float32 peak: {cpu_peak / 1e9:.0f} GFLOP/s with {CPU_THREADS} 
 def copy_bandwidth(dev, n_floats):
     src = torch.ones(n_floats, device=dev)
     dst = torch.empty_like(src)
-    t = bench(dst.copy_, src, min_run_time=0.2).median
-    return 2 * src.nbytes / t  # read src + write dst
+    fastest = min(bench(dst.copy_, src, min_run_time=0.3).times)
+    return 2 * src.nbytes / fastest  # read src + write dst, in the fastest run
 
 
 cpu_bw = copy_bandwidth("cpu", 1 << 24)
-print(f"measured copy bandwidth: {cpu_bw / 1e9:.1f} GB/s")
+print(f"measured copy bandwidth (fastest run): {cpu_bw / 1e9:.1f} GB/s")
 
 # %% [markdown]
 # The points: matmuls of several sizes (`2 n^3` FLOP over `3 n^2` floats, so the
 # intensity grows with `n`) and an elementwise add (1 FLOP per 12 bytes: read two
-# floats, write one), each timed with `bench`.
+# floats, write one), each timed with `bench`. In the plot each point is
+# labelled with its size: `n` for a matmul, the number of floats for an add.
 
 # %%
 def roofline_points(dev, mm_sizes, add_sizes):
@@ -735,7 +744,8 @@ def roofline_points(dev, mm_sizes, add_sizes):
         points["matmul"].append([2 * n**3 / (12 * n * n), 2 * n**3 / t, n])
     for n in add_sizes:
         a, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
-        t = bench(torch.add, a, b, min_run_time=0.05).median
+        c = torch.empty_like(a)  # reused: a fresh output would time page faults too
+        t = bench(torch.add, a, b, out=c, min_run_time=0.05).median
         points["add"].append([n / (12 * n), n / t, n])
     return points
 
@@ -767,11 +777,11 @@ def gpu_peaks(dev):
     if isinstance(facts, str):
         return None, None, facts
     attrs = facts[dev.index or 0]["attributes"]
-    cap = torch.cuda.get_device_capability(dev)
-    lanes = LANES_PER_SM.get(cap)
-    flops = (attrs["MULTIPROCESSOR_COUNT"] * lanes * 2 * attrs["CLOCK_RATE"] * 1e3
-             if lanes else None)
-    bw = 2 * attrs["MEMORY_CLOCK_RATE"] * 1e3 * attrs["GLOBAL_MEMORY_BUS_WIDTH"] / 8
+    lanes = LANES_PER_SM.get(torch.cuda.get_device_capability(dev))
+    sms, clock_khz = attrs.get("MULTIPROCESSOR_COUNT"), attrs.get("CLOCK_RATE")
+    mem_khz, bus_bits = attrs.get("MEMORY_CLOCK_RATE"), attrs.get("GLOBAL_MEMORY_BUS_WIDTH")
+    flops = sms * lanes * 2 * clock_khz * 1e3 if lanes and sms and clock_khz else None
+    bw = 2 * mem_khz * 1e3 * bus_bits / 8 if mem_khz and bus_bits else None
     return flops, bw, "estimated from pycuda device attributes"
 
 
@@ -816,7 +826,7 @@ if gpu_roof is not None:
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:green",
                    marker=marker, label=f"GPU {kind}: {label}")
 else:
-    ax.text(0.02, 0.6, "no GPU here and\nno GPU reference recorded yet",
+    ax.text(0.02, 0.95, "no GPU here and\nno GPU reference recorded yet",
             transform=ax.transAxes, fontsize=8, va="top")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
