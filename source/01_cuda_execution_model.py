@@ -54,7 +54,14 @@ from course_utils.devices import cpu_facts, kernel_target, usable_cores
 from course_utils.warps import count_divergent_warps, trace_sectors
 
 banner()
+import warnings
+
 from numba import cuda  # after course_utils: the simulator is chosen by now
+from numba.core.errors import NumbaPerformanceWarning
+
+# On a GPU numba warns that our tiny teaching grids leave it mostly idle: true,
+# and intended here.
+warnings.simplefilter("ignore", NumbaPerformanceWarning)
 
 device = try_gpu()
 on_gpu = device.type == "cuda"
