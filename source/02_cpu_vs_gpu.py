@@ -109,29 +109,38 @@ print(f"after 1000 steps: {double_in_place(torch.ones(4)).tolist()}")
 # So for most of the seed's loop the GPU (and the CPU) were adding infinity to
 # infinity. Does that change the timing? Some processors slow down on unusual
 # numbers, so it is worth a measurement rather than a guess: the same addition
-# on finite numbers and on infinities.
+# on ordinary numbers, on infinities, and - the usual suspect for slow
+# arithmetic - on *subnormal* numbers (tiny values below 1.2 x 10^-38 that
+# float32 stores with reduced precision). Three rounds taken in turns; the
+# median of each.
 
 # %%
-n_elems = 1 << 16
-out = torch.empty(n_elems)
-finite, infinite = torch.ones(n_elems), torch.full((n_elems,), float("inf"))
-t_finite = bench(torch.add, finite, finite, out=out, min_run_time=0.1).median
-t_inf = bench(torch.add, infinite, infinite, out=out, min_run_time=0.1).median
-print(f"add on finite values: {t_finite * 1e6:.1f} us, on inf: {t_inf * 1e6:.1f} us, "
-      f"ratio inf/finite = {t_inf / t_finite:.2f}")
-if on_gpu:
-    g_fin, g_inf = finite.to(device), infinite.to(device)
-    g_out = torch.empty_like(g_fin)
-    r = (bench(torch.add, g_inf, g_inf, out=g_out, min_run_time=0.1).median
-         / bench(torch.add, g_fin, g_fin, out=g_out, min_run_time=0.1).median)
-    print(f"on {device}: ratio inf/finite = {r:.2f}")
+def value_cost(dev, n=1 << 16, rounds=3):
+    """Median time of x + x on ordinary, infinite and subnormal values."""
+    values = {"ordinary": 1.0, "inf": float("inf"), "subnormal": 1e-40}
+    xs = {k: torch.full((n,), v, device=dev) for k, v in values.items()}
+    out = torch.empty(n, device=dev)
+    times = {k: [] for k in values}
+    for _ in range(rounds):
+        for k, x in xs.items():
+            times[k].append(bench(torch.add, x, x, out=out, min_run_time=0.03).median)
+    return {k: statistics.median(ts) for k, ts in times.items()}
+
+
+for dev in [torch.device("cpu")] + ([device] if on_gpu else []):
+    cost = value_cost(dev)
+    print(f"{dev}: x + x on 65536 floats: ordinary {cost['ordinary'] * 1e6:.1f} us; "
+          f"inf / ordinary = {cost['inf'] / cost['ordinary']:.2f}, "
+          f"subnormal / ordinary = {cost['subnormal'] / cost['ordinary']:.2f}")
 
 # %% [markdown]
-# A ratio close to 1 means the infinities cost nothing extra on this machine:
-# addition of inf is handled at full speed by current CPUs and GPUs (unlike
-# *subnormal* numbers, tiny values near zero, which some CPUs process slowly).
-# The overflow makes the seed's *results* meaningless, but not its timings.
-# We keep the seed's loop as it is: it is a timing experiment.
+# A ratio close to 1 (within the noise of a shared machine) means those values
+# cost nothing extra on that device; a ratio well above 1 means the hardware
+# takes a slow path for them. Look at the inf ratio: that is the one that
+# matters for the seed, whose loop runs on infinities from step 128 on. The
+# overflow makes the seed's *results* meaningless; whether it also bent its
+# *timings* is what the printed ratio says. We keep the seed's loop as it is: it
+# is a timing experiment.
 #
 # ### Try a size yourself
 #
@@ -318,8 +327,11 @@ print("CPU seed/right ratio per size:", ", ".join(f"{r:.2f}" for r in cpu_ratio)
 # On the CPU the two columns should agree within noise for the larger sizes:
 # CPU operators are synchronous, so the seed's timer happened to be right there,
 # apart from the tensor creation it included (visible only at tiny sizes). On a
-# GPU the "seed" column stays nearly flat while the "right" column grows with the
-# size. Without a GPU, here are both measurements as recorded on one:
+# GPU, compare the two GPU columns: the work grows a million-fold from 4 to
+# 4000, and the "right" column grows with it once the tensor is big enough to
+# keep the GPU busy, while the "seed" column does not follow the work - it
+# timed launches, plus the creation and copy of the tensor inside its timer.
+# Without a GPU, here are both measurements as recorded on one:
 
 # %%
 if on_gpu:
@@ -443,8 +455,10 @@ if on_gpu:
 
 # %% [markdown]
 # Without a GPU, the GPU curves come from the references (when recorded). The
-# dashed line is the seed's kind of measurement made on that GPU: flat, because it
-# timed launches.
+# dashed line is the seed's kind of measurement made on that GPU (1000 steps,
+# `time.time()`, no synchronize): it does not follow the work, because it timed
+# launches - and, at the largest sizes, the creation and copy of the tensor that
+# sat inside its timer.
 
 # %%
 def scaled(s, label, factor=1000):
@@ -561,8 +575,8 @@ print(f"cpu: cost of .item() per step: "
 
 # %% [markdown]
 # On the CPU the ratio should be close to 1 (up to the noise of a shared
-# machine): each operator has finished when it returns, so `.item()` only copies one number that is already there - there is
-# no queue to drain. On a GPU the per-step read removes the overlap between
+# machine): each operator has finished when it returns, so `.item()` only
+# copies one number that is already there - there is no queue to drain. On a GPU the per-step read removes the overlap between
 # Python's launching and the GPU's work:
 
 # %%
@@ -638,8 +652,8 @@ for train in (True, False):
 
 # %% [markdown]
 # In training, `backward()` frees the saved activations, so the kept graph is
-# "only" a chain of nodes that grows every step (and a `total.backward()` later
-# would run backward through all of it again). In an evaluation loop without
+# "only" a chain of nodes that grows every step (a later `total.backward()` would
+# fail: the tensors it needs were freed by the step's own backward). In an evaluation loop without
 # `torch.no_grad()` nothing frees them: every step's activations stay in memory
 # until `total` dies - the memory growth people see in validation loops. The
 # fixes: accumulate `loss.detach()` (or `loss.item()` once in a while), and run
@@ -841,12 +855,13 @@ plt.show()
 # Small matmuls sit far below the roof: the work is too small to fill the
 # machine, and fixed costs dominate. Small adds can land *above* the bandwidth
 # roof, because their tensors stay in the caches, which are faster than main
-# memory; the 64 MiB copy that set the roof does not fit in them. The add stays on the sloped part however
-# large it is: it is limited by memory bandwidth, and a faster processor would
-# not help it - only fewer bytes would (fusing operations, lower precision).
-# On a GPU both roofs are far higher, but so are its fixed costs: a point at the
-# far left of the GPU's roof is exactly the "small tensor" regime where Section 3
-# found the CPU faster.
+# memory; the 64 MiB copy that set the roof does not fit in them. The add's
+# intensity is the same at every size, so it can never climb to the flat part:
+# it is limited by memory bandwidth, and a faster processor would not help it -
+# only fewer bytes would (fusing operations, lower precision). On a GPU both
+# roofs are far higher, but its small problems sit even further below them:
+# fixed launch costs dominate there - the regime where Section 3 found the CPU
+# faster.
 #
 # ## 7. CPU threads
 #
@@ -880,6 +895,8 @@ print("restored:", torch.get_num_threads(), "thread(s)")
 #
 # - CUDA calls return before the work is done. A timer around them measures the
 #   launches - which is why the seed's GPU times stayed flat at about 0.044 s.
+# - The seed's tensor overflows to inf at step 128 of 1000; the printed inf /
+#   ordinary ratio says whether that bent the timings on your devices.
 # - Measure right: warm up, synchronise (or use CUDA events), repeat, take the
 #   median. `Benchmark` and `bench` do this and agree with
 #   `torch.utils.benchmark`.
