@@ -99,14 +99,18 @@ def _importable(fn: Callable) -> bool:
 
 
 def choose_start_method(fn: Callable, backend: str) -> tuple[str, str]:
-    """``(method, why)``: fork when safe, spawn for module functions (Chapter 6)."""
+    """``(method, why)``: fork when safe, spawn for module functions (Chapter 6).
+
+    A forked process cannot use CUDA once its parent has initialised it (torch
+    raises if it tries), so after that fork is used only for CPU ranks (gloo).
+    """
     fork_ok = "fork" in mp.get_all_start_methods()
     if fork_ok and not torch.cuda.is_initialized():
         return "fork", ""
+    if fork_ok and backend == "gloo":
+        return "fork", " (CUDA is initialised here, so the ranks must stay on the CPU)"
     if _importable(fn):
         return "spawn", " (spawn: CUDA is already initialised in this process)"
-    if fork_ok and backend == "gloo":  # forked ranks work as long as they avoid CUDA
-        return "fork", " (CUDA is initialised here, so the ranks must stay on the CPU)"
     raise LaunchError(
         "CUDA is already initialised in this process, and a forked process cannot "
         "use CUDA: restart the kernel and launch before any CUDA call, or move "
@@ -203,23 +207,32 @@ def _ranks(ranks) -> str:
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.0,
            backend: str | None = None, init: bool = True, port: int | None = None,
-           echo: bool = True) -> list[RankResult]:
+           echo: bool = True, start_method: str | None = None) -> list[RankResult]:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes; return per rank. Ch. 6.
 
     ``init=False`` leaves ``init_process_group`` to ``fn`` (as a torchrun script
-    does, from the environment). ``echo`` prints each rank's output, prefixed
+    does, from the environment). ``backend`` and ``start_method`` override the
+    launcher's choices. ``echo`` prints each rank's output, prefixed
     ``[rank r]``. Raises ``RankFailed`` when a rank raises or dies and
     ``LaunchTimeout`` when one is still running after ``timeout`` seconds; in
     both cases, and on KeyboardInterrupt, every rank is stopped first.
     """
-    backend = backend or choose_backend(nprocs)
-    method, why = choose_start_method(fn, backend)
+    note = ""
+    if backend is None:
+        backend = choose_backend(nprocs)
+        if (backend == "nccl" and torch.cuda.is_initialized()
+                and not _importable(fn)):  # forked ranks could not use the GPUs
+            backend, note = "gloo", " (not nccl: CUDA is initialised in this process)"
+    if start_method:
+        method, why = start_method, ""
+    else:
+        method, why = choose_start_method(fn, backend)
     if port is None:
         port = free_port()
     elif port_in_use(port):
         raise LaunchError(f"port {port} on 127.0.0.1 is already in use: pass "
                           "port=None to let the launcher pick a free one.")
-    print(f"launching {nprocs} processes: {method}, backend {backend}, "
+    print(f"launching {nprocs} processes: {method}, backend {backend}{note}, "
           f"rendezvous 127.0.0.1:{port}, timeout {timeout:g} s{why}")
     ctx = mp.get_context(method)
     workdir = Path(tempfile.mkdtemp(prefix="course_dist_"))

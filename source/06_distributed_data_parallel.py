@@ -30,9 +30,11 @@
 #
 # **Hardware.** Everything here runs for real on a laptop: the ranks are CPU
 # processes that talk through the `gloo` backend over the loopback network. With
-# a GPU for every rank, the launcher picks `nccl` and each rank uses its own GPU;
-# the collective timings are then recorded as reference results. Without GPUs,
-# those cells show the recorded GPU figures beside the local ones.
+# a GPU for every rank, `torchrun` scripts use `nccl` with one GPU per rank, and
+# so does the notebook launcher as long as this notebook's own process has not
+# initialised CUDA (it prints the backend it chose, and why); the collective
+# timings are then recorded as reference results. Without GPUs, those cells show
+# the recorded GPU figures beside the local ones.
 
 # %%
 import os
@@ -81,9 +83,14 @@ banner()
 # returned, with its printed output.
 
 # %%
+def rank_device(rank):
+    """The device of this rank: its own GPU under nccl, the CPU under gloo."""
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def hello(rank, world_size):
     print(f"I am rank {rank} of {world_size}, process {os.getpid()}, "
-          f"backend {dist.get_backend()}")
+          f"backend {dist.get_backend()}, device {rank_device(rank)}")
     return os.getpid()
 
 
@@ -97,9 +104,10 @@ print("notebook process:", os.getpid(), "- rank processes:", [r.value for r in r
 # matter in every chapter that uses it:
 #
 # - It **forks** the notebook's process, so functions defined in the notebook
-#   work. A forked process cannot use CUDA if the parent already has, so once
-#   CUDA is initialised it spawns fresh interpreters instead (for functions
-#   importable from a module) or refuses, saying why.
+#   work. A forked process cannot use CUDA once the parent has initialised it,
+#   so after that the launcher keeps forked ranks on the CPU (gloo), spawns fresh
+#   interpreters for functions importable from a module, or refuses in one line
+#   when you ask for nccl. Its first line says which it did.
 # - It finds a free port on `127.0.0.1` for the ranks to meet at, and sets the
 #   same environment variables as `torchrun` does (below).
 # - It stops every rank on a timeout, when one rank fails, or when you press
@@ -110,7 +118,7 @@ print("notebook process:", os.getpid(), "- rank processes:", [r.value for r in r
 def stuck(rank, world_size):
     if rank == 1:
         raise RuntimeError("rank 1 gives up before the all_reduce")
-    dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which never comes
+    dist.all_reduce(torch.ones(1, device=rank_device(rank)))  # waits for rank 1: never
 
 
 try:
@@ -195,7 +203,7 @@ def main(epochs=3):
     model.module.load_state_dict(state)
     print(f"rank {rank} of {world_size} (local rank {local_rank}, node "
           f"{os.environ.get('GROUP_RANK', '0')}): weight[:3] = "
-          f"{model.module.weight[0, :3].tolist()}")
+          f"{[round(w, 4) for w in model.module.weight[0, :3].tolist()]}")
     dist.destroy_process_group()
 
 
@@ -227,6 +235,15 @@ run_command(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--tee=3", SCRIPT]
 print(f"torchrun took {time.perf_counter() - start:.1f} s in all")
 
 # %% [markdown]
+# Three details of this script differ from the DDP examples in the seed slides,
+# on purpose. The model is moved to its device *before* DDP wraps it, with
+# `device_ids=[local_rank]`: DDP sets up its gradient buckets and broadcasts
+# the parameters where they are when it is constructed (the slides wrap first,
+# then move). The targets come from the same `TensorDataset` as the inputs, so
+# the sampler shards them together (the slides take the targets from a separate
+# `get_target_tensor()`, which would not match each rank's inputs). And the
+# logged loss is averaged over all ranks' samples, not rank 0's alone.
+#
 # Both ranks print the same weights: they started from the same seed, DDP
 # broadcast rank 0's parameters when it wrapped the model, and every step applied
 # the same averaged gradient.
@@ -340,8 +357,10 @@ def train(model, x, y, steps):
 
 def train_ddp(rank, world_size, steps):
     model, x, y = make_problem()
+    d = rank_device(rank)
     share = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
-    return train(DDP(model), x[share], y[share], steps)
+    ddp = DDP(model.to(d), device_ids=[rank] if d.type == "cuda" else None)
+    return train(ddp, x[share].to(d), y[share].to(d), steps)
 
 
 single = train(*make_problem(), STEPS)
@@ -357,12 +376,13 @@ for step in (0, STEPS - 1):
     print(f"parameters after step {step}: rank 0 vs one process "
           f"{max_diff(ranks[0][1][step], single[1][step]):.2e}, rank 0 vs rank 1 "
           f"{max_diff(ranks[0][1][step], ranks[1][1][step]):.2e}")
-print(f"step 0 gradients, rank 0 vs rank 1 before averaging would differ; after: "
+print(f"step 0 gradients after DDP's averaging, rank 0 vs rank 1: "
       f"{max_diff(ranks[0][0], ranks[1][0]):.2e}")
 
 # %% [markdown]
-# The differences are at the level of float32 rounding (about 1e-7), not zero:
-# summing in another order rounds differently. Two conditions make the equality
+# The differences to one process are at the level of float32 rounding, not
+# zero: summing in another order (or on another device) rounds differently. The
+# two ranks agree exactly, because they apply the very same averaged gradient. Two conditions make the equality
 # exact in exact arithmetic, and breaking either changes the training:
 # the loss must be a **mean** over each rank's samples, and the shares must be
 # the **same size** (DDP divides by the world size, not by the number of
@@ -391,10 +411,6 @@ print(f"step 0 gradients, rank 0 vs rank 1 before averaging would differ; after:
 # input only). **reduce** leaves the result on one rank.
 
 # %%
-def rank_device(rank):
-    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def broadcast_and_reduce(rank, world_size):
     d = rank_device(rank)
     t = torch.tensor([10.0 * rank], device=d)
@@ -654,7 +670,8 @@ def averaged_for_logging(loss):
 
 
 def log_loss(rank, world_size):
-    loss = torch.tensor(float(rank + 1), requires_grad=True) * 2  # 2.0 and 4.0
+    w = torch.tensor(float(rank + 1), device=rank_device(rank), requires_grad=True)
+    loss = w * 2  # 2.0 on rank 0, 4.0 on rank 1
     mean = averaged_for_logging(loss)
     if rank == 0:
         print(f"rank 0's own loss {loss.item()}, mean over ranks {mean.item()}")

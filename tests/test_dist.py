@@ -141,12 +141,14 @@ def test_cuda_initialised_refuses_or_spawns(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert d.choose_start_method(summed, "nccl")[0] == "spawn"  # importable
+    assert d.choose_start_method(lambda r, w: None, "gloo")[0] == "fork"  # CPU ranks
     with pytest.raises(LaunchError, match="CUDA is already initialised"):
         d.choose_start_method(lambda r, w: None, "nccl")
+    with pytest.raises(LaunchError, match="CUDA is already initialised"):
+        launch(lambda r, w: None, 2, backend="nccl")
 
 
-def test_spawn_runs_a_module_function(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    results = launch(summed, 2, timeout=60)
+def test_spawn_runs_a_module_function(capsys):
+    results = launch(summed, 2, timeout=60, start_method="spawn")
     assert "spawn" in capsys.readouterr().out
     assert torch.equal(results[1].value, torch.full((3,), 3.0))

@@ -33,7 +33,9 @@ def _run(exercise: str, rank_fn: Callable, args: tuple,
         fail(exercise, "a function", f"{type(args[0]).__name__} {args[0]!r:.60}",
              "run the exercise cell that defines it first")
     try:
-        return [r.value for r in launch(rank_fn, 2, args=args, timeout=30)]
+        # gloo on CPU ranks on any machine; forked, so notebook functions work
+        return [r.value for r in launch(rank_fn, 2, args=args, timeout=30,
+                                        backend="gloo")]
     except RankFailed as e:
         first = str(e).splitlines()[0]
         if "NotImplementedError" in first:
