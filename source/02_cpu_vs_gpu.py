@@ -796,6 +796,8 @@ def gpu_peaks(dev):
     mem_khz, bus_bits = attrs.get("MEMORY_CLOCK_RATE"), attrs.get("GLOBAL_MEMORY_BUS_WIDTH")
     flops = sms * lanes * 2 * clock_khz * 1e3 if lanes and sms and clock_khz else None
     bw = 2 * mem_khz * 1e3 * bus_bits / 8 if mem_khz and bus_bits else None
+    if flops is None and bw is None:
+        return None, None, "pycuda reported no clock or bus width"
     return flops, bw, "estimated from pycuda device attributes"
 
 
