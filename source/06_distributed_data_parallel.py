@@ -658,9 +658,11 @@ print("rank 1 now holds rank 0's weights:", torch.equal(weights[0], weights[1]))
 # **Logging a loss.** Each rank's loss is the loss of its share only. To log the
 # loss of the global batch, all-reduce it and divide by the world size; this is
 # a collective, so *every* rank must call it, even if only rank 0 prints. Work
-# on a detached copy: `all_reduce` writes into its argument, and the seed's
-# `print_averaged_value(value)` overwrites the caller's tensor (and, if that is
-# the loss itself, fails because it is part of the autograd graph).
+# on a detached copy: `all_reduce` writes into its argument, so the seed's
+# `print_averaged_value(value)` overwrites the caller's tensor. If that tensor is
+# the loss and `backward()` comes later, autograd does not know about the
+# all_reduce, and torch warns that this "may lead to silently incorrect
+# behavior".
 
 # %%
 def averaged_for_logging(loss):
@@ -688,10 +690,11 @@ print("the local losses were", [v[0] for v in values])
 # except the node's own identity. `--nnodes` says how many nodes take part, and
 # a *rendezvous* lets the torchrun agents find each other and agree on the
 # ranks. With `--rdzv_backend=c10d`, one agent hosts a store at
-# `--rdzv_endpoint` (usually the first node's address) and ranks are handed out
-# in the order the nodes join, so `--node_rank` is ignored (torch says so); it
+# `--rdzv_endpoint` (usually the first node's address) and the rendezvous
+# assigns the node ranks itself, so `--node_rank` is ignored (torch says so); it
 # matters for the older *static* rendezvous (`--master_addr`, `--master_port`,
-# `--node_rank`), where each node's rank is fixed by hand.
+# `--node_rank`), where each node's rank is fixed by hand. A c10d rendezvous
+# also lets a job restart with nodes that replace failed ones.
 #
 # We start two "nodes" on this machine, one process each, at the same time.
 

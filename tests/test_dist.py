@@ -152,3 +152,15 @@ def test_spawn_runs_a_module_function(capsys):
     results = launch(summed, 2, timeout=60, start_method="spawn")
     assert "spawn" in capsys.readouterr().out
     assert torch.equal(results[1].value, torch.full((3,), 3.0))
+
+
+def hangs_with_a_child(rank, world_size):
+    import subprocess
+
+    subprocess.Popen(["sleep", "60"])  # a grandchild of the test process
+    time.sleep(60)
+
+
+def test_timeout_also_ends_the_ranks_children():
+    with pytest.raises(LaunchTimeout, match="ranks 0, 1 did not finish"):
+        launch(hangs_with_a_child, 2, timeout=2, echo=False, init=False)
