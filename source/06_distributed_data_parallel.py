@@ -51,12 +51,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from course_utils import banner, reference
+from course_utils.bench import Sweep
 from course_utils.checks.ch06 import (
     check_average_gradients,
     check_epoch_batches,
     check_save_then_load,
 )
 from course_utils.dist import choose_backend, free_port, launch
+from course_utils.plots import plot_time_vs_size
 
 banner()
 
@@ -534,12 +536,16 @@ print(f"the object version takes {ratio:.1f} x as long here")
 # For all_reduce, a ring implementation sends and receives $2(n-1)/n \cdot S$
 # bytes per rank, so the **bus bandwidth** $2(n-1)/n \cdot S/t$ is what the
 # links actually carried, and is the figure to compare with the hardware's link
-# speed (nccl-tests reports both). Small messages are dominated by a fixed
+# speed (nccl-tests reports both). With two ranks the factor $2(n-1)/n$ is 1,
+# so the two columns below agree; with 8 GPUs it is 1.75. Small messages are dominated by a fixed
 # latency per call, so their bandwidth is low; large messages approach the
 # link's bandwidth. Here the "links" are the loopback network and two CPU cores.
+# On the plot, a flat start means latency-bound; a slope of one (time doubling
+# with size) means bandwidth-bound.
 
 # %%
-SIZES = [2**10, 2**14, 2**18, 2**21]  # bytes of float32
+SIZES = [2**10, 2**13, 2**16, 2**19, 2**22]  # bytes of float32: 1 KiB .. 4 MiB
+REPEATS = 15
 
 
 def time_all_reduce(rank, world_size, sizes, repeats):
@@ -558,16 +564,18 @@ def time_all_reduce(rank, world_size, sizes, repeats):
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
             times.append(time.perf_counter() - start)
-        rows.append((size, sorted(times)[len(times) // 2]))  # the median
+        times.sort()
+        n = len(times)  # median, and the spread between the quartiles
+        rows.append((size, times[n // 2], times[3 * n // 4] - times[n // 4]))
     return rows
 
 
 backend = choose_backend(2)
-rows = launch(time_all_reduce, nprocs=2, args=(SIZES, 7))[0].value
+rows = launch(time_all_reduce, nprocs=2, args=(SIZES, REPEATS))[0].value
 n = 2
 print(f"all_reduce on {n} ranks with {backend}")
 print(f"{'bytes':>10} {'time per op':>12} {'algbw':>12} {'busbw':>12}")
-for size, t in rows:
+for size, t, _ in rows:
     algbw = size / t
     print(f"{size:>10,d} {t * 1e6:>9.0f} us {algbw / 1e9:>8.3f} GB/s "
           f"{algbw * 2 * (n - 1) / n / 1e9:>8.3f} GB/s")
@@ -576,9 +584,18 @@ print(f"the largest message reaches {rows[-1][0] / rows[-1][1] / (rows[0][0] / r
 
 # %%
 if backend == "nccl":
-    reference.record("06.allreduce_2gpu", [[s, t] for s, t in rows], "[bytes, s]",
-                     torch.device("cuda", 0), note="2 ranks, nccl, median of 7")
-reference.show("06.allreduce_2gpu")
+    reference.record("06.allreduce_2gpu", [[s, t] for s, t, _ in rows], "[bytes, s]",
+                     torch.device("cuda", 0), note=f"2 ranks, nccl, median of {REPEATS}")
+entries = reference.show("06.allreduce_2gpu")
+
+curves = [Sweep(f"{backend}, 2 ranks (this machine)", [r[0] for r in rows],
+                [r[1] for r in rows], [r[2] for r in rows])]
+for e in entries:  # the GPU references, when one has been recorded
+    curves.append(Sweep(f"nccl, 2 GPUs ({e['device']})", [v[0] for v in e["value"]],
+                        [v[1] for v in e["value"]], [0.0] * len(e["value"])))
+plot_time_vs_size(curves, xlabel="message size (bytes)",
+                  ylabel="time per all_reduce (s)",
+                  title="all_reduce time vs message size (median, IQR band)");
 
 # %% [markdown]
 # ## 6. Key-value stores
