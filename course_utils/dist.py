@@ -272,7 +272,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
                 print(f"[rank {r}] {line}")
     bad = {r: res for r, res in results.items() if not res["ok"]}
     if bad:
-        r = min(bad)
+        r = next(iter(bad))  # the first to fail; the others may fail because of it
         stopped = set(range(nprocs)) - set(results)
         tail = f" ({_ranks(stopped)} stopped)" if stopped else ""
         hint = ("\nhint: a forked rank cannot use CUDA once this process has "
