@@ -9,7 +9,14 @@ on the GPU when torch sees one, otherwise on numba's CUDA simulator. numba reads
 that choice when it is first imported, so import course_utils before numba.
 """
 
-from course_utils.devices import (
+import os
+
+# Ask NVML, not the CUDA driver, whether there is a GPU: the driver's answer
+# initialises CUDA in this process, after which forked worker processes
+# (Chapters 3, 6) could not use the GPU.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+from course_utils.devices import (  # noqa: E402
     banner,
     check_fits,
     for_device,

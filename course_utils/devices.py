@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 
 import torch
@@ -236,6 +237,28 @@ def check_fits(
     return need
 
 
+def gpu_names() -> list[str]:
+    """Names of the GPUs, read without initialising CUDA where possible. Chapter 0.
+
+    Once CUDA is initialised in a process, forked children cannot use it, so
+    a notebook that launches worker processes should not initialise it just
+    to print a banner: ``nvidia-smi`` answers from outside the process.
+    """
+    n = gpu_count()
+    if n and not torch.cuda.is_initialized():
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20, check=True,
+            ).stdout.split("\n")
+            names = [line.strip() for line in out if line.strip()]
+            if len(names) >= n:
+                return names[:n]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return [torch.cuda.get_device_name(i) for i in range(n)]
+
+
 def banner() -> str:
     """Print and return one line saying what this notebook runs on. Chapter 0."""
     from course_utils import reference
@@ -251,7 +274,7 @@ def banner() -> str:
         )
         line = f"CPU only ({cpu}) - {shown}; CUDA kernels run on numba's simulator"
     else:
-        names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
+        names = sorted(set(gpu_names()))
         line = (
             f"{n} GPU{'s' if n > 1 else ''} ({', '.join(names)}) + CPU ({cpu})"
             f" - GPU cells run for real"
