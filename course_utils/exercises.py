@@ -75,7 +75,9 @@ def call_learner(
         )
     try:
         return fn(*args, **kwargs)
-    except NotImplementedError:
+    except NotImplementedError as e:
+        if str(e) and not str(e).startswith("Exercise"):  # torch's, not the stub
+            _fail_raised(exercise, fn, e, hints)
         fail(
             exercise,
             "your solution in the exercise cell",
@@ -85,26 +87,31 @@ def call_learner(
     except ExerciseFailed:
         raise
     except Exception as e:  # the learner's code raised: name it, skip torch's internals
-        tb = e.__traceback__
-        line = None
-        while tb is not None:  # the last frame of the learner's own cell
-            if tb.tb_frame.f_code.co_filename.startswith(
-                ("<ipython-input", "/tmp/ipykernel")
-            ):
-                line = tb.tb_lineno
-            tb = tb.tb_next
-        where = f" (line {line} of the exercise cell)" if line else ""
-        hint = next(
-            (h for key, h in (hints or {}).items() if key in str(e)),
-            "fix that error and run the exercise cell again",
-        )
-        fail(
-            exercise,
-            f"{getattr(fn, '__name__', 'your function')} to run",
-            f"it raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            f"{where}",
-            hint,
-        )
+        _fail_raised(exercise, fn, e, hints)
+
+
+def _fail_raised(exercise: str, fn: Callable, e: Exception, hints) -> None:
+    """Report an error raised by the learner's code, with its line in their cell."""
+    tb = e.__traceback__
+    line = None
+    while tb is not None:  # the last frame of the learner's own cell
+        if tb.tb_frame.f_code.co_filename.startswith(
+            ("<ipython-input", "/tmp/ipykernel")
+        ):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    where = f" (line {line} of the exercise cell)" if line else ""
+    hint = next(
+        (h for key, h in (hints or {}).items() if key in str(e)),
+        "fix that error and run the exercise cell again",
+    )
+    first = str(e).splitlines()[0] if str(e) else ""
+    fail(
+        exercise,
+        f"{getattr(fn, '__name__', 'your function')} to run",
+        f"it raised {type(e).__name__}: {first}{where}",
+        hint,
+    )
 
 
 def check_type(exercise: str, value, kind: type | tuple, what: str = "the result"):

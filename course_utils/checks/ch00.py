@@ -27,6 +27,8 @@ HINTS = {
     "Expected all tensors to be on the same device": MOVE_BOTH,
     "not compiled with CUDA": "use the device you are given instead of a hard-coded "
     "'cuda': it is not always a GPU",
+    "Cannot copy out of meta tensor": "leave the output on the device you were given "
+    "(no .cpu(), .item() or .numpy() on it)",
 }
 
 
@@ -119,12 +121,11 @@ def check_memory_held(memory_held) -> None:
         want = _storage_bytes(tensors)
         if seen == want:
             continue
-        as_f32 = sum(t.numel() * 4 for t in tensors)
         logical = sum(t.numel() * t.element_size() for t in tensors)
+        undeduplicated = sum(t.untyped_storage().nbytes() for t in tensors)
+        as_f32 = sum(t.numel() * 4 for t in tensors)
         hint = "count each storage once: t.untyped_storage().nbytes()"
-        if seen == as_f32 and as_f32 != want:
-            hint = "not every tensor is float32: use t.element_size()"
-        elif seen == logical and len(tensors) > 1:
+        if seen == logical and len(tensors) > 1:
             hint = (
                 "a view shares its base's storage: count each storage once "
                 "(t.untyped_storage().data_ptr() identifies it)"
@@ -134,5 +135,12 @@ def check_memory_held(memory_held) -> None:
                 "a slice or an expanded tensor is a view: the memory held is its "
                 "storage's, t.untyped_storage().nbytes(), not numel x element size"
             )
+        elif seen == undeduplicated:
+            hint = (
+                "two tensors here share one storage: count it once "
+                "(t.untyped_storage().data_ptr() identifies it)"
+            )
+        elif seen == as_f32:
+            hint = "not every tensor is float32: use t.element_size()"
         fail(ex, f"{want} bytes for {what}", f"{seen} bytes", hint)
     passed(ex, "Views, slices, expand and dtypes all counted right.")
