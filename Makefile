@@ -27,8 +27,12 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	fi
 	@touch $(STAMP)
 
+# Jupyter refuses to run as root unless told; containers and cloud notebooks
+# often run as root, so say it for them. The token login stays on.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/
 
 test: setup
 	$(PY) -m pytest
