@@ -4,9 +4,13 @@ Introduced in Chapter 6 (DistributedDataParallel); the data, pipeline and
 sharding chapters use it too. Each rank runs ``fn(rank, world_size, *args)``
 inside an initialised process group, as torchrun would run a script:
 
-- start method: ``fork`` when CUDA is not initialised in this process, so
-  functions defined in the notebook work; otherwise ``spawn`` for a function
-  importable from a module, or a one-line refusal where the ranks need CUDA;
+- start method: ``fork``, so functions defined in the notebook work. While
+  CUDA is not initialised in this process the forked ranks may use their GPUs
+  (nccl); ``course_utils`` asks NVML, not the CUDA driver, how many GPUs there
+  are, so importing it and printing the banner keep it that way. Once CUDA is
+  initialised, forked ranks stay on the CPU (gloo, and the launcher says so),
+  a function importable from a module is spawned instead, and asking for nccl
+  with a notebook function is refused in one line;
 - rendezvous on a free port of 127.0.0.1 (``MASTER_ADDR``, ``MASTER_PORT``,
   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` are set);
 - backend ``nccl`` when there is a GPU per rank, ``gloo`` otherwise (printed);
@@ -106,9 +110,10 @@ def choose_start_method(fn: Callable, backend: str) -> tuple[str, str]:
     """
     fork_ok = "fork" in mp.get_all_start_methods()
     if fork_ok and not torch.cuda.is_initialized():
-        return "fork", ""
+        return "fork", ""  # the ranks may initialise CUDA themselves: nccl works
     if fork_ok and backend == "gloo":
-        return "fork", " (CUDA is initialised here, so the ranks must stay on the CPU)"
+        return "fork", (" (CUDA is initialised in this process, so forked ranks must "
+                        "stay on the CPU; restart the kernel to use the GPUs)")
     if _importable(fn):
         return "spawn", " (spawn: CUDA is already initialised in this process)"
     raise LaunchError(
@@ -145,10 +150,13 @@ def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir
     result = {"ok": True, "value": None}
     try:
         if init:
-            if backend == "nccl":
-                torch.cuda.set_device(rank)
+            device = None
+            if backend == "nccl":  # bind the rank to its GPU (barrier uses it too)
+                device = torch.device("cuda", rank)
+                torch.cuda.set_device(device)
             dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout))
+                                    timeout=timedelta(seconds=timeout),
+                                    device_id=device)
         result["value"] = _to_plain(fn(rank, world_size, *args))
         pickle.dumps(result)  # fail here, in the rank, if it cannot be sent
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -166,16 +174,19 @@ def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir
     os._exit(0 if result["ok"] else 1)  # skip exit handlers inherited from the parent
 
 
-def _stop(procs: list) -> None:
-    """Terminate every live rank and its children, then kill what is left."""
+def stop_tree(pids: list[int], grace: float = 2.0) -> None:
+    """End processes and all their descendants: terminate, then kill (Chapter 6).
+
+    The descendants are listed first, because a process that dies hands its
+    children to init, where nobody would find them. torchrun starts its workers
+    in sessions of their own, so a process group is not enough to reach them.
+    """
     import psutil
 
     victims = []
-    for p in procs:
-        if p.pid is None:
-            continue
+    for pid in pids:
         try:
-            parent = psutil.Process(p.pid)
+            parent = psutil.Process(pid)
             victims += parent.children(recursive=True) + [parent]
         except psutil.NoSuchProcess:
             pass
@@ -184,13 +195,18 @@ def _stop(procs: list) -> None:
             v.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(victims, timeout=2)
+    _, alive = psutil.wait_procs(victims, timeout=grace)
     for v in alive:
         try:
             v.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=2)
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def _stop(procs: list) -> None:
+    """Stop every live rank and its children, and reap the ranks."""
+    stop_tree([p.pid for p in procs if p.pid is not None])
     for p in procs:
         if p.pid is not None:
             p.join(timeout=1)
@@ -222,7 +238,10 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
         backend = choose_backend(nprocs)
         if (backend == "nccl" and torch.cuda.is_initialized()
                 and not _importable(fn)):  # forked ranks could not use the GPUs
-            backend, note = "gloo", " (not nccl: CUDA is initialised in this process)"
+            backend, note = "gloo", " instead of nccl"  # the start method says why
+    elif backend == "nccl" and choose_backend(nprocs) != "nccl":
+        raise LaunchError(f"nccl needs a GPU for every rank: {nprocs} ranks, "
+                          f"{torch.cuda.device_count()} GPUs. Use backend='gloo'.")
     if start_method:
         method, why = start_method, ""
     else:
@@ -277,7 +296,8 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
         tail = f" ({_ranks(stopped)} stopped)" if stopped else ""
         hint = ("\nhint: a forked rank cannot use CUDA once this process has "
                 "initialised it; restart the kernel and launch before any CUDA call"
-                if "forked subprocess" in bad[r]["error"] else "")
+                if any(text in bad[r]["error"] for text in
+                       ("forked subprocess", "initialization error")) else "")
         raise RankFailed(f"rank {r} failed: {bad[r]['error']}{tail}{hint}\n"
                          f"--- traceback of rank {r} ---\n{bad[r]['traceback']}"
                          f"{outs[r][1][-2000:] if not bad[r]['traceback'] else ''}")

@@ -144,8 +144,26 @@ def test_cuda_initialised_refuses_or_spawns(monkeypatch):
     assert d.choose_start_method(lambda r, w: None, "gloo")[0] == "fork"  # CPU ranks
     with pytest.raises(LaunchError, match="CUDA is already initialised"):
         d.choose_start_method(lambda r, w: None, "nccl")
+    monkeypatch.setattr(d, "choose_backend", lambda nprocs: "nccl")  # GPUs enough
     with pytest.raises(LaunchError, match="CUDA is already initialised"):
         launch(lambda r, w: None, 2, backend="nccl")
+
+
+def test_cuda_initialised_falls_back_to_gloo_and_says_so(monkeypatch, capsys):
+    from course_utils import dist as d
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(d, "choose_backend", lambda nprocs: "nccl")
+    results = launch(lambda r, w: dist.get_backend(), 2, echo=False)
+    line = capsys.readouterr().out
+    assert "fork, backend gloo instead of nccl" in line
+    assert "CUDA is initialised in this process" in line
+    assert [r.value for r in results] == ["gloo", "gloo"]
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused():
+    with pytest.raises(LaunchError, match="nccl needs a GPU for every rank"):
+        launch(summed, torch.cuda.device_count() + 1, backend="nccl")
 
 
 def test_spawn_runs_a_module_function(capsys):
@@ -159,6 +177,19 @@ def hangs_with_a_child(rank, world_size):
 
     subprocess.Popen(["sleep", "60"])  # a grandchild of the test process
     time.sleep(60)
+
+
+def test_stop_tree_reaches_children_in_their_own_session():
+    import subprocess
+
+    from course_utils.dist import stop_tree
+
+    # like a torchrun agent, whose workers run in sessions of their own
+    agent = subprocess.Popen(["bash", "-c", "setsid sleep 60 & sleep 60"])
+    time.sleep(0.3)
+    assert psutil.Process(agent.pid).children()
+    stop_tree([agent.pid])
+    agent.wait(timeout=5)
 
 
 def test_timeout_also_ends_the_ranks_children():
