@@ -7,8 +7,10 @@ names its mistake.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+import timeit
 
 import pytest
 import torch
@@ -87,9 +89,81 @@ def measure_median_no_warmup(fn, device):
     return statistics.median(times)
 
 
+def wait_for(device):
+    """A learner's own helper, defined outside measure: the checker follows it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_own_helper(fn, device):
+    fn()
+    total = 0.0
+    for _ in range(5):
+        wait_for(device)
+        t0 = time.perf_counter()
+        fn()
+        wait_for(device)
+        total += time.perf_counter() - t0
+    return total / 5
+
+
+def measure_backend_synchronize(fn, device):
+    sync = getattr(torch, device.type).synchronize  # torch.cpu / torch.cuda
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / 4
+
+
+def measure_timer_only(fn, device):
+    # no explicit warm-up: blocked_autorange's first, estimating runs are untimed
+    return tub.Timer("fn()", globals={"fn": fn}).blocked_autorange(
+        min_run_time=0.1).median
+
+
+def measure_tensor_result(fn, device):
+    fn()
+    times = []
+    for _ in range(5):
+        synchronize([device])
+        t0 = time.perf_counter()
+        fn()
+        synchronize([device])
+        times.append(time.perf_counter() - t0)
+    return torch.tensor(times).median()  # a one-number tensor of seconds
+
+
+def make_measure(sync, repeats):
+    def measure(fn, device):  # the wait comes from the closure
+        fn()
+        sync([device])
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync([device])
+        return (time.perf_counter() - t0) / repeats
+    return measure
+
+
+def measure_with_options(fn, device, repeats=5):
+    fn()
+    synchronize([device])
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    synchronize([device])
+    return (time.perf_counter() - t0) / repeats
+
+
 @pytest.mark.parametrize("measure", [
     measure_hand_written, measure_with_bench, measure_with_timer,
-    measure_with_benchmark, measure_events_or_clock, measure_median_no_warmup])
+    measure_with_benchmark, measure_events_or_clock, measure_median_no_warmup,
+    measure_own_helper, measure_backend_synchronize, measure_timer_only,
+    measure_tensor_result, make_measure(synchronize, 6),
+    functools.partial(measure_with_options, repeats=4)])
 def test_measure_accepts_correct_methods(measure, capsys):
     check_measure(measure)
     assert "Exercise 2.1 passed" in capsys.readouterr().out
@@ -133,6 +207,21 @@ def wrong_never_waits(fn, device):
     return statistics.median(times)
 
 
+def wrong_timeit_no_wait(fn, device):
+    """Times fn; no need to synchronize here (a docstring is not a wait)."""
+    fn()
+    return timeit.timeit(fn, number=5) / 5
+
+
+def wrong_long_loop_no_warmup(fn, device):
+    synchronize([device])
+    t0 = time.perf_counter()
+    for _ in range(40):
+        fn()
+    synchronize([device])
+    return (time.perf_counter() - t0) / 40
+
+
 def wrong_returns_timing(fn, device):
     return bench(fn, min_run_time=0.05)
 
@@ -146,11 +235,18 @@ def wrong_hard_coded_cuda(fn, device):
     return time.perf_counter() - t0
 
 
+# Without a GPU the checker reads the code for a wait; with one, the CUDA
+# workload shows that only the launches were timed.
+NO_WAIT = "LAUNCH" if torch.cuda.is_available() else "nothing in measure waits"
+
+
 @pytest.mark.parametrize("measure, words", [
     (wrong_no_warmup, "first call"),
+    (wrong_long_loop_no_warmup, "first call"),
     (wrong_single_run, "called 2 time"),
     (wrong_total, "total"),
-    (wrong_never_waits, "nothing in measure waits"),
+    (wrong_never_waits, NO_WAIT),
+    (wrong_timeit_no_wait, NO_WAIT),
     (wrong_returns_timing, "Timing"),
 ])
 def test_measure_names_the_mistake(measure, words):
