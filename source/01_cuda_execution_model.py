@@ -48,6 +48,7 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from course_utils import banner, bench, for_device, reference, try_gpu
 from course_utils.devices import cpu_facts, kernel_target, usable_cores
@@ -59,9 +60,12 @@ import warnings
 from numba import cuda  # after course_utils: the simulator is chosen by now
 from numba.core.errors import NumbaPerformanceWarning
 
-# On a GPU numba warns that our tiny teaching grids leave it mostly idle: true,
-# and intended here.
+# On a GPU numba warns that our tiny teaching grids leave it mostly idle, and that
+# NumPy arguments are copied at every launch: both true, and intended here. The
+# message filters also catch the same warnings from the separate numba-cuda package.
 warnings.simplefilter("ignore", NumbaPerformanceWarning)
+warnings.filterwarnings("ignore", message="Grid size .* low occupancy")
+warnings.filterwarnings("ignore", message="Host array used in CUDA kernel")
 
 device = try_gpu()
 on_gpu = device.type == "cuda"
@@ -268,9 +272,11 @@ else:
 # ## 5. Matrix multiply, one thread per output element
 #
 # For `C = A @ B`, thread (x, y) computes `C[y, x]` as the dot product of row y
-# of A with column x of B. The seed's description says the whole product then
-# takes "the time of one dot product", since all dot products run in parallel.
-# That is not so. A GPU holds a fixed number of threads at once (by NVIDIA's
+# of A with column x of B. The seed's description puts the whole matrix in one
+# block; with at most 1024 threads per block that works only up to 32 x 32, so
+# real launches tile C over many blocks, as `launch_2d` below does. The seed also
+# says the whole product then takes "the time of one dot product", since all
+# dot products run in parallel. That is not so. A GPU holds a fixed number of threads at once (by NVIDIA's
 # published figures, at most 132 x 2048 on an H100 SXM5), so a large product
 # runs in many waves; and every thread reads 2n numbers from memory, so the
 # time grows with the n^3 arithmetic and, for this naive kernel,
@@ -390,8 +396,9 @@ for name, idx in patterns.items():
 # %% [markdown]
 # Read the `sectors/request` column: the coalesced load needs the minimum, 4;
 # stride 2 doubles it, because half of every sector is skipped; at a stride of 8
-# floats or more, or at random, each thread needs its own sector, so a warp
-# moves 8 times the bytes it uses.
+# floats or more each thread needs its own sector, so a warp moves 8 times the
+# bytes it uses. Random indices come close to that: two threads of a warp only
+# rarely land in the same sector.
 #
 # Does that cost time? The memory system moves sectors, so when memory is the
 # bottleneck, bandwidth in *useful* bytes per second should fall in proportion.
@@ -450,7 +457,11 @@ plt.show()
 # `i % 2` makes every warp diverge; the same amount of work branched on
 # `(i // 32) % 2` sends whole warps one way and costs nothing extra. The seed
 # warns that "branches can be very inefficient": it is only branches that
-# split a warp that cost, as the count below shows.
+# split a warp that cost, as the count below shows. Its rule that 32
+# neighbouring threads "can only execute the same instruction" also needs a
+# footnote: since Volta (compute capability 7.0) each thread has its own program
+# counter, so the two paths of a split warp may interleave, but in any one cycle
+# the warp still issues one instruction for the threads on that path.
 
 # %%
 @cuda.jit
@@ -544,22 +555,38 @@ _ = reference.show("01.divergence_ratio", unit="x (divergent time / uniform time
 # measurements**.
 
 # %%
+def in_bytes(n):
+    """1024-based size, e.g. 49152 -> '48 KiB'; None when a probe gave nothing."""
+    if not n:
+        return None
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+
+
 if on_gpu:
     p = torch.cuda.get_device_properties(device)
-    regs = getattr(cuda.get_current_device(), "MAX_REGISTERS_PER_MULTIPROCESSOR", None)
+    numba_gpu = cuda.get_current_device()  # device 0, the same GPU as `device`
     bus, clock = getattr(p, "memory_bus_width", 0), getattr(p, "memory_clock_rate", 0)
     facts = {
         "device": p.name,
         "SMs": p.multi_processor_count,
-        "32-bit registers per SM": regs,
-        "shared memory per block (default)": getattr(p, "shared_memory_per_block", None),
-        "shared memory per SM": getattr(p, "shared_memory_per_multiprocessor", None),
-        "L2 cache": getattr(p, "L2_cache_size", None),
-        "global memory": p.total_memory,
-        "peak DRAM bandwidth from bus x clock (GB/s)":
-            round(2 * clock * 1e3 * bus / 8 / 1e9) if bus and clock else None,
+        "32-bit registers per SM":
+            getattr(numba_gpu, "MAX_REGISTERS_PER_MULTIPROCESSOR", None),
+        "shared memory per SM":
+            in_bytes(getattr(p, "shared_memory_per_multiprocessor", 0)),
+        "shared memory per block (default)":
+            in_bytes(getattr(p, "shared_memory_per_block", 0)),
+        "shared memory per block (opt-in maximum)":
+            in_bytes(getattr(numba_gpu, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 0)),
+        "L2 cache": in_bytes(getattr(p, "L2_cache_size", 0)),
+        "global memory": in_bytes(p.total_memory),
+        # memory_clock_rate is in kHz; DDR memory moves data twice per clock
+        "peak DRAM bandwidth, 2 x clock x bus width":
+            f"{2 * clock * 1e3 * bus / 8 / 1e12:.2f} TB/s" if bus and clock else None,
     }
-    print("probed by torch and numba on this GPU:")
+    print("probed by torch and numba on this GPU (None: not reported here):")
 else:
     facts = {
         "device": "NVIDIA H100 SXM5 80GB (published specification)",
@@ -576,22 +603,82 @@ for k, v in facts.items():
     print(f"  {k:45} {v}")
 
 # %% [markdown]
+# ### Hiding latency with many warps
+#
+# A load from HBM takes hundreds of cycles, and a warp waiting for it does
+# nothing. The SM hides the wait by switching to another warp that is ready,
+# which costs nothing because every resident warp keeps its registers on the
+# chip. So bandwidth needs *many warps in flight*. The kernel below copies an
+# array with a **grid-stride loop** (each thread copies element i, then
+# i + all threads in the grid, ...), so the same work can be done by any number
+# of blocks. On a GPU the cell measures the copy bandwidth for a growing number
+# of blocks of 256 threads; look for it to climb until there are several
+# blocks per SM, then level off at the memory's bandwidth. On the simulator it
+# only checks that every grid size copies correctly, and shows the reference.
+
+# %%
+@cuda.jit
+def copy_grid_stride(src, dst):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, src.size, stride):
+        dst[i] = src[i]
+
+
+if on_gpu:
+    n_lat = 2**24  # 64 MiB of float32, well beyond the L2 cache
+    src_d = cuda.to_device(np.ones(n_lat, dtype=np.float32))
+    dst_d = cuda.device_array_like(src_d)
+    n_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    block_counts = [1, 4, 16, n_sms // 2, n_sms, 2 * n_sms, 4 * n_sms, 8 * n_sms,
+                    16 * n_sms, 64 * n_sms]
+    latency_curve = {"blocks": block_counts, "GB/s": []}
+    for nb in block_counts:
+        t = time_kernel(lambda nb=nb: copy_grid_stride[nb, 256](src_d, dst_d),
+                        repeats=5)
+        latency_curve["GB/s"].append(2 * 4 * n_lat / t / 1e9)  # read + write
+    for nb, gbs in zip(block_counts, latency_curve["GB/s"], strict=True):
+        print(f"{nb:6} blocks ({nb / n_sms:6.2f} per SM): {gbs:8.1f} GB/s")
+    reference.record("01.copy_bandwidth_vs_blocks", latency_curve, "GB/s", device)
+else:
+    src_s = np.arange(3000, dtype=np.float32)
+    for nb in (1, 3, 12):
+        dst_s = np.zeros_like(src_s)
+        copy_grid_stride[nb, 64](src_s, dst_s)
+        assert np.array_equal(dst_s, src_s), nb
+    print("grid-stride copy checked with 1, 3 and 12 blocks on the simulator")
+lat_ref = reference.show("01.copy_bandwidth_vs_blocks", unit="GB/s")
+lat_curve = latency_curve if on_gpu else (lat_ref[0]["value"] if lat_ref else None)
+if lat_curve:
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(lat_curve["blocks"], lat_curve["GB/s"], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("blocks of 256 threads in the grid")
+    ax.set_ylabel("copy bandwidth (GB/s, read + write)")
+    where = torch.cuda.get_device_name(device) if on_gpu else lat_ref[0]["device"]
+    ax.set_title(f"More warps in flight hide memory latency ({where})")
+    ax.grid(True, which="both", alpha=0.3)
+    plt.tight_layout()
+    plt.show()
+
+# %% [markdown]
 # We can see the hierarchy in a measurement on either device: copy a buffer of
 # growing size and compute the bandwidth. While source and copy fit in a cache,
 # copies are fast; once they spill to main memory (RAM or HBM), bandwidth drops
 # to what that memory delivers. Look for the step down on the right of the
-# curve. On the left, the smallest copies are held back by the fixed cost of
-# each call (a kernel launch on a GPU), so the curve first rises. On a CPU the
-# copy runs on one thread, so the caches are those of one core; a busy machine
-# makes the curve noisy, so run it again if it looks ragged.
+# curve. On a GPU, also look at the left end: the smallest copies are held back
+# by the fixed cost of a kernel launch, so the GPU curve first rises. On a CPU
+# the copy runs on one thread, so the caches are those of one core; a busy
+# machine makes the curve noisy (each point is the fastest of several runs), so
+# run it again if it looks ragged.
 
 # %%
 def copy_bandwidth(n_bytes):
     x = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     y = torch.empty_like(x)
     # one CPU thread: one core's caches, and steadier on a machine shared with others
-    t = bench(y.copy_, x, min_run_time=0.03,
-              num_threads=for_device(device, cpu=1, gpu=None)).median
+    timing = bench(y.copy_, x, min_run_time=0.03,
+                   num_threads=for_device(device, cpu=1, gpu=None))
+    t = min(timing.times)  # the fastest run: other programs can only slow one down
     return 2 * n_bytes / t / 1e9  # read x and write y
 
 
@@ -603,12 +690,17 @@ if on_gpu:
 curve_ref = reference.show("01.copy_bandwidth_vs_size", unit="GB/s")
 
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
-ax.plot(sizes, bw_curve, marker="o", label=f"measured here ({device})")
+ax.plot(np.array(sizes) / 2**20, bw_curve, marker="o", label=f"measured here ({device})")
 for e in ([] if on_gpu else curve_ref):
-    ax.plot(e["value"]["bytes"], e["value"]["GB/s"], marker="s", label=e["device"])
+    ax.plot(np.array(e["value"]["bytes"]) / 2**20, e["value"]["GB/s"], marker="s",
+            label=e["device"])
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
-ax.set_xlabel("buffer size (bytes)")
+ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4, ...
+ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # 10, 20, 50, 100, ...
+ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+ax.yaxis.set_minor_formatter(NullFormatter())
+ax.set_xlabel("buffer size (MiB)")
 ax.set_ylabel("copy bandwidth (GB/s, read + write)")
 ax.set_title("Copy bandwidth against working-set size")
 ax.grid(True, which="both", alpha=0.3)
@@ -754,13 +846,47 @@ t_loop = bench(python_add, xl, yl, min_run_time=0.2).median
 t_numpy = bench(np.add, xs, ys, min_run_time=0.2).median
 print(f"python loop: {t_loop * 1e3:.2f} ms, numpy: {t_numpy * 1e3:.3f} ms, "
       f"numpy is {t_loop / t_numpy:.0f}x faster")
+ns_loop, ns_numpy = t_loop / n_simd * 1e9, t_numpy / n_simd * 1e9
+ghz = (facts_cpu["clock_mhz"] or 0) / 1e3
+print(f"per element: python {ns_loop:.1f} ns, numpy {ns_numpy:.3f} ns", end="")
+print(f" = {ns_loop * ghz:.0f} and {ns_numpy * ghz:.2f} clock cycles at {ghz:.1f} GHz"
+      if ghz else " (clock rate unknown)")
 
 # %% [markdown]
-# The factor you see is mostly the interpreter's overhead, not SIMD alone: the
-# seed compares hand-written SSE intrinsics with a plain C loop and finds only a
-# modest gain. That also fits the copy curve above: for vectors larger than the
-# caches, an add is limited by memory bandwidth, and wider arithmetic cannot
-# help. A GPU takes the same idea further - a warp is 32 lanes executing one
+# Work per clock cycle tells the story. The Python loop spends tens to hundreds
+# of cycles on each element: that is the interpreter, not the addition. If numpy
+# needs less than one cycle per element, the CPU must be adding several
+# elements per instruction: that is SIMD at work.
+#
+# **A correction to the seed.** The seed compares an SSE version of the add
+# (intrinsics, 4 floats per instruction) with a plain C loop and finds SIMD only
+# 18-24% faster. That small gain has two causes, neither of them "SIMD does not
+# help much": an optimising compiler already turns the plain loop into SIMD code
+# (GCC at `-O3`, clang already at `-O2`), and vectors of 100
+# thousand to 50 million floats mostly live in RAM, where the add waits for
+# memory, not for arithmetic. The next cell shows the second effect: numpy's own
+# add, per element, on a vector that fits in the caches and on one that does
+# not. (The seed's SSE loop also steps by 4 with no tail: for n not a multiple
+# of 4 it reads and writes past the end of the arrays, the CPU cousin of a
+# kernel without its bounds guard.)
+
+# %%
+n_ram = 2**24  # 64 MiB per array: far beyond the caches
+xr = np.ones(n_ram, dtype=np.float32)
+yr = np.ones(n_ram, dtype=np.float32)
+out_ram = np.empty_like(xr)
+t_ram = bench(np.add, xr, yr, out=out_ram, min_run_time=0.2).median
+ns_ram = t_ram / n_ram * 1e9
+print(f"numpy add per element: {ns_numpy:.3f} ns for {n_simd:,} floats (in cache), "
+      f"{ns_ram:.3f} ns for {n_ram:,} floats (in RAM): {ns_ram / ns_numpy:.1f}x slower")
+print(f"the RAM-sized add moves {3 * 4 * n_ram / t_ram / 1e9:.1f} GB/s "
+      "(read two arrays, write one)")
+del xr, yr, out_ram
+
+# %% [markdown]
+# Look for the RAM-sized add to cost more per element: out of the caches, the
+# add is limited by memory bandwidth, and wider arithmetic cannot help. A GPU
+# takes the same idea further - a warp is 32 lanes executing one
 # instruction - but each lane has its own thread and may branch (at the cost of
 # divergence), and thousands of warps in flight hide memory latency.
 #
@@ -897,13 +1023,19 @@ try:
     import pycuda.driver as drv
     from pycuda.compiler import SourceModule
     why_not = None if on_gpu else "there is no GPU"
-except ImportError:
-    why_not = "pycuda is not installed (it needs the CUDA toolkit)"
+except ImportError as e:
+    why_not = ("pycuda is not installed (it needs the CUDA toolkit)"
+               if (e.name or "").startswith("pycuda") else f"pycuda could not load: {e}")
 except Exception as e:  # pycuda present, but no driver or no device
     why_not = f"pycuda could not start: {e}"
 
 if why_not is None:
-    module = SourceModule(VECTOR_ADD_CUDA_C)
+    try:
+        module = SourceModule(VECTOR_ADD_CUDA_C)  # runs nvcc
+    except Exception as e:  # no nvcc on PATH, or it failed
+        why_not = f"nvcc could not compile the kernel: {str(e)[:300]}"
+
+if why_not is None:
     vector_add_c = module.get_function("vector_add")
     n = 1000
     a = rng.standard_normal(n).astype(np.float32)
