@@ -44,20 +44,21 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course_utils import banner, reference
+from course_utils import banner, for_device, reference
 from course_utils.bench import Sweep
 from course_utils.checks.ch06 import (
     check_average_gradients,
     check_epoch_batches,
     check_save_then_load,
 )
-from course_utils.dist import choose_backend, free_port, launch
+from course_utils.dist import free_port, launch, stop_tree
 from course_utils.plots import plot_time_vs_size
 
 banner()
@@ -87,7 +88,9 @@ banner()
 # %%
 def rank_device(rank):
     """The device of this rank: its own GPU under nccl, the CPU under gloo."""
-    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
 
 
 def hello(rank, world_size):
@@ -107,7 +110,11 @@ print("notebook process:", os.getpid(), "- rank processes:", [r.value for r in r
 #
 # - It **forks** the notebook's process, so functions defined in the notebook
 #   work. A forked process cannot use CUDA once the parent has initialised it,
-#   so after that the launcher keeps forked ranks on the CPU (gloo), spawns fresh
+#   so this notebook's own process never touches CUDA: `course_utils` counts
+#   the GPUs through NVML (it sets `PYTORCH_NVML_BASED_CUDA_CHECK=1`), the
+#   banner reads their names with `nvidia-smi`, and every GPU tensor of this
+#   chapter lives in a rank. Should CUDA be initialised anyway (any `.cuda()` in
+#   a cell), the launcher keeps forked ranks on the CPU (gloo), spawns fresh
 #   interpreters for functions importable from a module, or refuses in one line
 #   when you ask for nccl. Its first line says which it did.
 # - It finds a free port on `127.0.0.1` for the ranks to meet at, and sets the
@@ -165,11 +172,12 @@ def main(epochs=3):
     local_rank = int(os.environ["LOCAL_RANK"])
     gpus_here = torch.cuda.device_count()
     use_gpu = gpus_here >= int(os.environ["LOCAL_WORLD_SIZE"])  # one GPU per rank
-    dist.init_process_group("nccl" if use_gpu else "gloo")  # reads the env vars
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
     if use_gpu:
         torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_gpu else "gloo",  # reads the env vars
+                            device_id=device if use_gpu else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)  # the same data set on every rank
     x = torch.randn(256, 8)
@@ -221,14 +229,19 @@ if __name__ == "__main__":
 # role and local rank (`[default0]:`), so that the lines of two ranks never mix.
 
 # %%
-def run_command(cmd, timeout=120):
+def run_command(cmd, timeout=90):
     """Run a command, print what it printed, fail the cell if it failed."""
     print("$", " ".join(map(str, cmd)))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    print(done.stdout, end="")
-    if done.returncode != 0:
-        raise RuntimeError(f"exit code {done.returncode}:\n{done.stderr[-3000:]}")
-    return done
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.returncode is None:  # a timeout or an interrupt: torchrun's workers
+            stop_tree([proc.pid])  # run in sessions of their own, so end the tree
+    print(out, end="")
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit code {proc.returncode}:\n{err[-3000:]}")
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -327,7 +340,10 @@ print("samples seen twice:", sum(map(len, shares)) - 10)
 # the whole batch. DDP computes exactly that during `loss.backward()`: it
 # **all-reduces** (sums across ranks) the gradients, in buckets, overlapping the
 # communication with the rest of the backward pass, and divides by the world
-# size. After the step, all ranks hold the same parameters again.
+# size. After the step, all ranks hold the same parameters again. (The seed
+# notes say the losses of all GPUs are averaged *before* a parallel backward
+# pass. Not so: each rank back-propagates its own loss, and only the gradients
+# are averaged.)
 #
 # The proof is numerical: train one model for a few steps on the full batch in
 # this process, and the same model with two DDP ranks on half the batch each.
@@ -380,23 +396,53 @@ for step in (0, STEPS - 1):
           f"{max_diff(ranks[0][1][step], ranks[1][1][step]):.2e}")
 print(f"step 0 gradients after DDP's averaging, rank 0 vs rank 1: "
       f"{max_diff(ranks[0][0], ranks[1][0]):.2e}")
+print(f"(float32 resolves about {torch.finfo(torch.float32).eps:.1e} of a value)")
 
 # %% [markdown]
-# The differences to one process are at the level of float32 rounding, not
-# zero: summing in another order (or on another device) rounds differently. The
-# two ranks agree exactly, because they apply the very same averaged gradient. Two conditions make the equality
-# exact in exact arithmetic, and breaking either changes the training:
-# the loss must be a **mean** over each rank's samples, and the shares must be
-# the **same size** (DDP divides by the world size, not by the number of
-# samples). This is also why the learning rate is tied to the *global* batch:
-# doubling the ranks at a fixed per-rank batch doubles the batch.
+# The differences to one process are at the level of float32 rounding and need
+# not be zero: summing in another order (or on another device) rounds
+# differently. The two ranks agree exactly, because they apply the very same
+# averaged gradient.
+#
+# Two conditions make the equality exact in exact arithmetic: the loss must be a
+# **mean** over each rank's samples, and the shares must be the **same size**
+# (DDP divides by the world size, not by the number of samples). No processes
+# are needed to see the second one fail: average the gradients of two shares of
+# the same batch, split evenly and then unevenly.
+
+# %%
+def mean_of_share_gradients(cut):
+    """The average of the gradients of the mean loss on x[:cut] and on x[cut:]."""
+    model, x, y = make_problem()
+    grads = []
+    for share in (slice(0, cut), slice(cut, len(x))):
+        model.zero_grad()
+        nn.functional.mse_loss(model(x[share]), y[share]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return [(a + b) / 2 for a, b in zip(*grads, strict=True)]
+
+
+for cut in (16, 24):
+    print(f"shares of {cut} and {32 - cut} samples: differs from the full batch's "
+          f"gradient by {max_diff(mean_of_share_gradients(cut), single[0]):.2e}")
+
+# %% [markdown]
+# Even shares agree to rounding; uneven ones give another gradient, because the
+# samples of the smaller share weigh more. That is one reason why
+# `DistributedSampler` pads the data so that every rank gets the same number of
+# samples. And the learning rate is tied to the *global* batch: doubling the
+# ranks at a fixed per-rank batch doubles the batch.
 #
 # `nn.DataParallel` (Chapter 5) reaches the same gradients differently: **one**
 # process with one thread per GPU, which scatters each batch, replicates the
 # model every step, and gathers the outputs on GPU 0. The threads share one GIL,
 # and GPU 0 holds the gathered outputs and the loss, so it runs out of memory
 # first. DDP's processes avoid both, and also work across machines, which is why
-# PyTorch recommends DDP even on a single machine.
+# PyTorch recommends DDP even on a single machine. What DDP does not avoid, as
+# the seed notes rightly say, is the memory: every rank holds the whole model,
+# its gradients and its optimizer state, so a model that does not fit on one
+# GPU does not fit under DDP either. Sharded data parallelism (ZeRO, FSDP)
+# splits those across the ranks; it builds on the reduce_scatter below.
 
 # %% [markdown]
 # ## 5. The collectives
@@ -510,14 +556,21 @@ def objects(rank, world_size):
     d = rank_device(rank)
     t = torch.zeros(256, device=d)
     timings = {}
-    for name, call in [("all_gather of a tensor",
-                        lambda: dist.all_gather([torch.empty_like(t)] * world_size, t)),
-                       ("all_gather_object of the same tensor",
-                        lambda: dist.all_gather_object([None] * world_size, t))]:
+    for name, call in [
+            ("all_gather of a tensor", lambda: dist.all_gather(
+                [torch.empty_like(t) for _ in range(world_size)], t)),
+            # a CPU copy: a pickled CUDA tensor would be unpickled onto the
+            # sender's GPU in every receiving process
+            ("all_gather_object of the same values", lambda: dist.all_gather_object(
+                [None] * world_size, t.cpu()))]:
         call()  # warm-up
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
         start = time.perf_counter()
         for _ in range(50):
             call()
+        if d.type == "cuda":  # nccl calls return before the GPU has finished
+            torch.cuda.synchronize(d)
         timings[name] = (time.perf_counter() - start) / 50
     return timings
 
@@ -525,7 +578,8 @@ def objects(rank, world_size):
 timings = launch(objects, nprocs=2)[0].value
 for name, seconds in timings.items():
     print(f"{name:38s} {seconds * 1e6:8.1f} us per call")
-ratio = timings["all_gather_object of the same tensor"] / timings["all_gather of a tensor"]
+ratio = (timings["all_gather_object of the same values"]
+         / timings["all_gather of a tensor"])
 print(f"the object version takes {ratio:.1f} x as long here")
 
 # %% [markdown]
@@ -537,19 +591,24 @@ print(f"the object version takes {ratio:.1f} x as long here")
 # bytes per rank, so the **bus bandwidth** $2(n-1)/n \cdot S/t$ is what the
 # links actually carried, and is the figure to compare with the hardware's link
 # speed (nccl-tests reports both). With two ranks the factor $2(n-1)/n$ is 1,
-# so the two columns below agree; with 8 GPUs it is 1.75. Small messages are dominated by a fixed
-# latency per call, so their bandwidth is low; large messages approach the
-# link's bandwidth. Here the "links" are the loopback network and two CPU cores.
+# so the two columns below agree; with 8 GPUs it is 1.75.
+#
+# Small messages are dominated by a fixed latency per call, so their bandwidth
+# is low; large messages approach the link's bandwidth. Here the "links" are
+# the loopback network and two CPU cores; on a CPU the largest messages may
+# lose bandwidth again, once they no longer fit in the caches and the ranks
+# compete for the same cores, so the cell reports where the bandwidth peaked.
 # On the plot, a flat start means latency-bound; a slope of one (time doubling
 # with size) means bandwidth-bound.
 
 # %%
-SIZES = [2**10, 2**13, 2**16, 2**19, 2**22]  # bytes of float32: 1 KiB .. 4 MiB
 REPEATS = 15
 
 
-def time_all_reduce(rank, world_size, sizes, repeats):
+def time_all_reduce(rank, world_size, repeats):
     d = rank_device(rank)
+    # bytes of float32: 1 KiB .. 4 MiB on CPUs, .. 256 MiB on GPUs
+    sizes = [2**k for k in range(10, for_device(d, cpu=23, gpu=29), 3)]
     rows = []
     for size in sizes:
         t = torch.ones(size // 4, device=d)
@@ -567,27 +626,28 @@ def time_all_reduce(rank, world_size, sizes, repeats):
         times.sort()
         n = len(times)  # median, and the spread between the quartiles
         rows.append((size, times[n // 2], times[3 * n // 4] - times[n // 4]))
-    return rows
+    if d.type == "cuda" and rank == 0:  # recorded here, so that this notebook's
+        # own process never initialises CUDA, and later launches can still fork
+        reference.record("06.allreduce_2gpu", [[s, t] for s, t, _ in rows],
+                         "[bytes, s]", d, note=f"2 ranks, nccl, median of {repeats}")
+    return dist.get_backend(), rows
 
 
-backend = choose_backend(2)
-rows = launch(time_all_reduce, nprocs=2, args=(SIZES, REPEATS))[0].value
+backend, rows = launch(time_all_reduce, nprocs=2, args=(REPEATS,))[0].value
 n = 2
 print(f"all_reduce on {n} ranks with {backend}")
-print(f"{'bytes':>10} {'time per op':>12} {'algbw':>12} {'busbw':>12}")
+print(f"{'bytes':>11} {'time per op':>12} {'algbw':>12} {'busbw':>12}")
 for size, t, _ in rows:
     algbw = size / t
-    print(f"{size:>10,d} {t * 1e6:>9.0f} us {algbw / 1e9:>8.3f} GB/s "
+    print(f"{size:>11,d} {t * 1e6:>9.0f} us {algbw / 1e9:>8.3f} GB/s "
           f"{algbw * 2 * (n - 1) / n / 1e9:>8.3f} GB/s")
-print(f"the largest message reaches {rows[-1][0] / rows[-1][1] / (rows[0][0] / rows[0][1]):.0f}"
-      " x the algorithmic bandwidth of the smallest")
+best = max(rows, key=lambda r: r[0] / r[1])
+print(f"best algorithmic bandwidth at {best[0]:,d} bytes: "
+      f"{best[0] / best[1] / (rows[0][0] / rows[0][1]):.0f} x that of "
+      f"{rows[0][0]:,d} bytes")
 
 # %%
-if backend == "nccl":
-    reference.record("06.allreduce_2gpu", [[s, t] for s, t, _ in rows], "[bytes, s]",
-                     torch.device("cuda", 0), note=f"2 ranks, nccl, median of {REPEATS}")
 entries = reference.show("06.allreduce_2gpu")
-
 curves = [Sweep(f"{backend}, 2 ranks (this machine)", [r[0] for r in rows],
                 [r[1] for r in rows], [r[2] for r in rows])]
 for e in entries:  # the GPU references, when one has been recorded
@@ -718,23 +778,47 @@ print("the local losses were", [v[0] for v in values])
 # %%
 port = free_port()
 node_cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--tee=3",
-                       "--rdzv_backend=c10d",
-                       f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=ch06"]
+                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                       "--rdzv_id=ch06", "--rdzv_conf=join_timeout=60"]
+gpus = torch.cuda.device_count()  # NVML's count: CUDA stays uninitialised here
+
+
+def node_env(i):
+    """Each "node" sees only its own GPU, as a real machine would; none if short."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": str(i) if gpus >= 2 else ""}
+
+
 nodes = [subprocess.Popen(node_cmd + [f"--node_rank={i}", str(SCRIPT)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          env=node_env(i), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
          for i in range(2)]
 print("$", " ".join(map(str, node_cmd)), "--node_rank=0|1", SCRIPT)
 try:
     for i, node in enumerate(nodes):
-        out, err = node.communicate(timeout=120)
+        out, err = node.communicate(timeout=90)
         for line in out.splitlines() + [e for e in err.splitlines() if "node_rank" in e]:
             print(f"[node {i}] {line}")
         if node.returncode != 0:
             raise RuntimeError(f"node {i} failed:\n{err[-3000:]}")
-finally:
-    for node in nodes:
-        node.kill()  # no-op for a finished node; ends the other if one failed
-        node.wait()
+finally:  # after a failure or a timeout: end both agents and their workers
+    stop_tree([node.pid for node in nodes if node.poll() is None])
+
+# %% [markdown]
+# Each node printed its own line, and both hold the same weights. The node
+# numbers come from the c10d rendezvous, which sorts the agents by host name and
+# process id, not from `--node_rank`. On this machine both
+# "nodes" share one file system, so rank 1 could read the checkpoint that rank 0
+# wrote; on a real cluster the checkpoint directory must be on a shared file
+# system (or each node saves and loads its own copy).
+#
+# Were any processes left behind? The notebook's process should have no
+# children now: the launcher and the cells above end every process they start,
+# even after a failure.
+
+# %%
+left = psutil.Process().children(recursive=True)
+print("processes started from this notebook that are still running:",
+      [f"{p.pid} {' '.join(p.cmdline())[:60]}" for p in left] or "none")
 
 # %% [markdown]
 # On a real cluster the scheduler starts one torchrun per node. A Slurm batch
@@ -758,9 +842,13 @@ finally:
 #     train_ddp.py
 # ```
 #
-# `srun` runs the torchrun line once per node; 2 x 8 = 16 ranks meet at the head
-# node. The script itself is unchanged: that is the point of reading the ranks
-# from the environment.
+# `srun` runs the torchrun line once per node (one task per node), and each
+# torchrun starts 8 ranks: 2 x 8 = 16 ranks meet at the head node, where the
+# agent whose host name matches the endpoint hosts the rendezvous store. Port
+# 29500 must be free there and reachable from the other nodes. The script itself
+# is unchanged: that is the point of reading the ranks from the environment.
+# Its checkpoint directory must be on a file system that every node sees (on
+# most clusters, the home or project directory is).
 
 # %% [markdown]
 # ## Summary
