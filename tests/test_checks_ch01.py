@@ -67,7 +67,8 @@ def test_coalesced_accepts_grid_stride_and_variants():
 
 
 @pytest.mark.parametrize("wrong, words", [
-    (lambda t, j, nt, pt: t * pt + j, "sectors per request"),
+    (lambda t, j, nt, pt: t * pt + j, "far apart"),
+    (lambda t, j, nt, pt: j * nt + (t + 1) % nt, "boundary"),
     (lambda t, j, nt, pt: j * 32 + t, "more than once"),
     (lambda t, j, nt, pt: t, "never touched"),
     (lambda t, j, nt, pt: j * (nt - 1) + t, "never touched"),

@@ -126,8 +126,14 @@ def check_coalesced_element(fn: Callable) -> None:
                  "... j * n_threads + n_threads - 1")
         trace = trace_sectors(accesses, grid=blocks, block=threads)
         if trace.sectors_per_request > 4:
+            if trace.sectors_per_request <= 5:
+                hint = ("neighbouring threads read neighbouring elements, but a "
+                        "warp's 32 floats straddle a 128-byte boundary: let each "
+                        "warp start at a multiple of 32 elements")
+            else:
+                hint = ("neighbouring threads still read elements far apart; in "
+                        "each step, thread t+1 must read the element right after "
+                        "thread t's")
             fail(ex, "4 sectors per warp request (32 threads x 4 bytes = 128 bytes)",
-                 f"{trace.sectors_per_request:.1f} sectors per request",
-                 "neighbouring threads still read elements far apart; in each "
-                 "step, thread t+1 must read the element right after thread t's")
+                 f"{trace.sectors_per_request:.1f} sectors per request", hint)
     passed(ex, "Each warp request now moves 4 sectors, all of them used.")
