@@ -20,8 +20,10 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
 	  echo "nvidia-smi found: trying the GPU extras (requirements-gpu.txt)"; \
-	  $(PY) -m pip install --quiet -r requirements-gpu.txt \
-	    || echo "WARNING: the GPU extras did not install (is the CUDA toolkit on PATH?); every chapter still runs without them"; \
+	  for pkg in $$(grep -v '^#' requirements-gpu.txt); do \
+	    $(PY) -m pip install --quiet "$$pkg" \
+	      || echo "WARNING: $$pkg did not install (is the CUDA toolkit on PATH?); every chapter still runs without it"; \
+	  done; \
 	else \
 	  echo "no nvidia-smi: CPU set-up (GPU cells show reference results)"; \
 	fi
