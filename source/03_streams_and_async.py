@@ -111,9 +111,15 @@ def show_timelines(name, local, panels, title):
 # Every operation goes to the **current stream**. Unless you change it, that
 # is the **default stream** of the device. `torch.cuda.Stream()` makes a new
 # one, and `with torch.cuda.stream(s):` makes `s` current inside the block.
-# The CPU can wait for everything on a device (`torch.cuda.synchronize()`),
-# for one stream (`s.synchronize()`), or for one point in a stream (an
-# `Event`'s `synchronize()`).
+# The CPU can wait for everything on a device
+# (`torch.cuda.synchronize(device)`; with no argument it waits for the
+# *current* device only), for one stream (`s.synchronize()`), or for one
+# point in a stream (an `Event`'s `synchronize()`).
+#
+# (In plain CUDA the "legacy" default stream also waits for, and holds up,
+# every other ordinary stream. PyTorch creates its side streams with the
+# non-blocking flag, so nothing orders them against the default stream
+# unless you ask for it, which is what the next section is about.)
 #
 # On the CPU there is nothing to queue: an eager CPU operation returns when
 # its result is ready. torch has a `torch.cpu.Stream` class so that
@@ -175,7 +181,7 @@ def stream_race(fix, n=2048):
     """Fill `a` on the default stream behind a long kernel; sum it on a side stream."""
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     a = torch.zeros(n, n, device=device)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     torch.cuda._sleep(SLEEP_CYCLES)  # the default stream is busy...
     a.fill_(1.0)                     # ...so this fill waits in its queue
     if fix == "wait_stream":
@@ -185,11 +191,11 @@ def stream_race(fix, n=2048):
         ready.record(main)
         side.wait_event(ready)
     elif fix == "synchronize":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     with torch.cuda.stream(side):
         total = a.sum()
     a.record_stream(side)  # `a` is freed on return; see record_stream below
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     return total.item()
 
 
@@ -270,7 +276,7 @@ print("expected 1000; without waiting:", thread_race(wait=False),
 # %%
 def allocator_race(use_record_stream, n=2048):
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # no cached block of this size but the one x gets
     x = torch.ones(n, n, device=device)
     side.wait_stream(main)  # the first race is fixed: x is ready
@@ -281,7 +287,7 @@ def allocator_race(use_record_stream, n=2048):
         x.record_stream(side)
     del x                                        # back to the default stream's pool
     y = torch.full((n, n), 7.0, device=device)   # may get x's memory at once
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     del y
     return total.item()
 
@@ -348,7 +354,7 @@ def two_matmuls(n, reps, two_streams):
     other = torch.cuda.Stream() if two_streams else main
     lane = "side stream" if two_streams else "default stream"
     start, end, marks = timed_event(), timed_event(), []
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     start.record(main)
     other.wait_stream(main)  # c and d were made on the default stream
     for _ in range(reps):
@@ -362,7 +368,7 @@ def two_matmuls(n, reps, two_streams):
             marks.append((name, e0, e1, label))
     main.wait_stream(other)
     end.record(main)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     spans = [(name, start.elapsed_time(e0) / 1e3, start.elapsed_time(e1) / 1e3, label)
              for name, e0, e1, label in marks]
     return start.elapsed_time(end) / 1e3, spans
@@ -583,7 +589,7 @@ def compute_and_copy(x, k, mode):
     pinned = mode != "pageable, one stream"
     host = [torch.empty(x.shape, pin_memory=pinned) for _ in range(k)]
     start, end, marks, ys = timed_event(), timed_event(), [], []
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     start.record(main)
     for i in range(k):
@@ -665,7 +671,7 @@ def d2h_read(value, wait):
         done.record()
         done.synchronize()                          # wait for the copy only
     seen = (h == value).float().mean().item()       # the CPU reads h now
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     return seen
 
 
