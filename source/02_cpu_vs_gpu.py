@@ -111,20 +111,20 @@ print(f"after 1000 steps: {double_in_place(torch.ones(4)).tolist()}")
 # numbers, so it is worth a measurement rather than a guess: the same addition
 # on ordinary numbers, on infinities, and - the usual suspect for slow
 # arithmetic - on *subnormal* numbers (tiny values below 1.2 x 10^-38 that
-# float32 stores with reduced precision). Three rounds taken in turns; the
-# median of each.
+# float32 stores with reduced precision). Five rounds taken in turns, and the
+# fastest of each: load from other programs can only add time, never remove it.
 
 # %%
-def value_cost(dev, n=1 << 16, rounds=3):
-    """Median time of x + x on ordinary, infinite and subnormal values."""
+def value_cost(dev, n=1 << 16, rounds=5):
+    """Fastest median time of x + x on ordinary, infinite and subnormal values."""
     values = {"ordinary": 1.0, "inf": float("inf"), "subnormal": 1e-40}
     xs = {k: torch.full((n,), v, device=dev) for k, v in values.items()}
     out = torch.empty(n, device=dev)
     times = {k: [] for k in values}
     for _ in range(rounds):
         for k, x in xs.items():
-            times[k].append(bench(torch.add, x, x, out=out, min_run_time=0.03).median)
-    return {k: statistics.median(ts) for k, ts in times.items()}
+            times[k].append(bench(torch.add, x, x, out=out, min_run_time=0.02).median)
+    return {k: min(ts) for k, ts in times.items()}
 
 
 for dev in [torch.device("cpu")] + ([device] if on_gpu else []):
@@ -136,7 +136,8 @@ for dev in [torch.device("cpu")] + ([device] if on_gpu else []):
 # %% [markdown]
 # A ratio close to 1 (within the noise of a shared machine) means those values
 # cost nothing extra on that device; a ratio well above 1 means the hardware
-# takes a slow path for them. Look at the inf ratio: that is the one that
+# takes a slow path for them - if it stays there when you run the cell again,
+# since a burst of load elsewhere can still hit one value's rounds. Look at the inf ratio: that is the one that
 # matters for the seed, whose loop runs on infinities from step 128 on. The
 # overflow makes the seed's *results* meaningless; whether it also bent its
 # *timings* is what the printed ratio says. We keep the seed's loop as it is: it
@@ -150,16 +151,35 @@ for dev in [torch.device("cpu")] + ([device] if on_gpu else []):
 # line instead of crashing the kernel; so is a run that would take minutes.
 
 # %%
-def time_doublings(size, steps, dev):
-    """Seconds for `steps` doublings of a size x size tensor on `dev`."""
+LIMIT_S = 30  # the longest run the slider starts
+
+
+def one_step(size, dev):
+    """A size x size tensor of ones, and the time of one warm doubling of it."""
     a = torch.ones(size, size, device=dev)
     double_in_place(a, steps=1)  # warm-up
-    with Benchmark(device=dev, verbose=False) as one_step:
+    with Benchmark(device=dev, verbose=False) as step:
         double_in_place(a, steps=1)
-    if one_step.elapsed * steps > 30:
-        raise DoesNotFit(f"{steps} steps at {size} x {size} would take about "
-                         f"{one_step.elapsed * steps:.0f} s on {dev}: lower the "
-                         "size or the steps")
+    return a, step.elapsed
+
+
+def too_slow(seconds, size, steps, dev):
+    return DoesNotFit(f"{steps} steps at {size} x {size} would take about "
+                      f"{seconds:.0f} s on {dev}: lower the size or the steps")
+
+
+def time_doublings(size, steps, dev, probe=1024):
+    """Seconds for `steps` doublings of a size x size tensor on `dev`."""
+    if dev.type == "cpu" and size > probe:
+        # A CPU step costs more per element once the tensor outgrows the caches,
+        # so scaling up a small probe underestimates: enough to refuse what is
+        # far too slow before allocating gigabytes for it.
+        _, t = one_step(probe, dev)
+        if t * (size / probe) ** 2 * steps > LIMIT_S:
+            raise too_slow(t * (size / probe) ** 2 * steps, size, steps, dev)
+    a, t = one_step(size, dev)
+    if t * steps > LIMIT_S:
+        raise too_slow(t * steps, size, steps, dev)
     with Benchmark(device=dev, verbose=False) as run:
         double_in_place(a, steps=steps)
     return run.elapsed
@@ -170,10 +190,12 @@ def seed_experiment(size=256, steps=1000):
         try:
             check_fits((size, size), torch.float32, dev)
             t = time_doublings(size, steps, dev)
+            print(f"{dev}: {steps} doublings of {size} x {size}: {t:.4f} s")
         except DoesNotFit as e:
             print(f"{dev}: refused - {e}")
-            continue
-        print(f"{dev}: {steps} doublings of {size} x {size}: {t:.4f} s")
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # else later check_fits see less free memory
 
 
 sizes_slider = widgets.SelectionSlider(options=[2**k for k in range(2, 19)], value=256,
@@ -189,6 +211,15 @@ display(widgets.interactive(seed_experiment, size=sizes_slider, steps=steps_slid
 
 # %%
 seed_experiment(size=2**18, steps=1000)
+
+# %% [markdown]
+# A size that fits can still be too slow. 16384 x 16384 float32 is 1 GiB; on
+# one CPU thread a thousand doublings of it take minutes, which the cell
+# estimates from a quick 1024 x 1024 probe and refuses before it allocates
+# anything (a GPU, if present, runs it):
+
+# %%
+seed_experiment(size=2**14, steps=1000)
 
 # %% [markdown]
 # ## 2. The wrong measurement beside the right one
@@ -390,36 +421,46 @@ for entry in reference.show("02.launch_queue"):
 #   how many calls make a run, repeats runs and reports the median and IQR.
 #
 # A helper is only worth trusting if it agrees with an independent measurement.
-# Here all three time the same 256 x 256 matmul. They take turns, five rounds,
-# and we compare them *within* each round (a burst of load elsewhere then hits
-# the three alike), then take the median of the five ratios.
+# Here all three time the same 256 x 256 matmul on the CPU (and a 2048 x 2048
+# one on a GPU), taking turns for five rounds.
 
 # %%
-x = torch.randn(256, 256)
-calls = 25
-torch.mm(x, x)  # warm-up
-timer = tub.Timer("torch.mm(x, x)", globals={"torch": torch, "x": x},
-                  num_threads=torch.get_num_threads())
-ratios = {"Benchmark": [], "bench": []}
-for _ in range(5):
-    with Benchmark("25 matmuls", device="cpu", verbose=False) as block:
-        for _ in range(calls):
-            torch.mm(x, x)
-    t_bench = bench(torch.mm, x, x, min_run_time=0.05).median
-    t_timer = timer.blocked_autorange(min_run_time=0.05).median
-    ratios["Benchmark"].append(block.elapsed / calls / t_timer)
-    ratios["bench"].append(t_bench / t_timer)
-print(f"torch.utils.benchmark, last round: {t_timer * 1e6:.1f} us per call")
-for name, rs in ratios.items():
-    print(f"{name:<9} / torch.utils.benchmark: median ratio {statistics.median(rs):.3f}"
-          f"  (rounds: {', '.join(f'{r:.2f}' for r in rs)})")
-    assert 0.5 < statistics.median(rs) < 2, "the helpers disagree: is the machine busy?"
+def compare_helpers(dev, n, calls=25, rounds=5):
+    """Seconds per call of an n x n matmul by each tool, rounds taken in turns."""
+    x = torch.randn(n, n, device=dev)
+    torch.mm(x, x)  # warm-up
+    timer = tub.Timer("torch.mm(x, x)", globals={"torch": torch, "x": x},
+                      num_threads=torch.get_num_threads())
+    times = {"Benchmark": [], "bench": [], "torch.utils.benchmark": []}
+    for _ in range(rounds):
+        with Benchmark(device=dev, verbose=False) as block:
+            for _ in range(calls):
+                torch.mm(x, x)
+        times["Benchmark"].append(block.elapsed / calls)
+        times["bench"].append(bench(torch.mm, x, x, min_run_time=0.05).median)
+        times["torch.utils.benchmark"].append(
+            timer.blocked_autorange(min_run_time=0.05).median)
+    return times
+
+
+for dev, n in [(torch.device("cpu"), 256)] + ([(device, 2048)] if on_gpu else []):
+    times = compare_helpers(dev, n)
+    ref = times["torch.utils.benchmark"]
+    print(f"{dev}, {n} x {n} matmul: torch.utils.benchmark {min(ref) * 1e6:.1f} us "
+          "per call (fastest round)")
+    for name in ("Benchmark", "bench"):
+        rounds = ", ".join(f"{a / b:.2f}" for a, b in zip(times[name], ref, strict=True))
+        print(f"  {name:<9} / torch.utils.benchmark: {min(times[name]) / min(ref):.3f}"
+              f" fastest round vs fastest round; round by round: {rounds}")
 
 # %% [markdown]
-# On a quiet machine the median ratios are within a few percent of 1 and so are
-# most rounds. On a loaded one single rounds wander (the cell only refuses a
-# median disagreement beyond 2x), and `Benchmark` - one block, so one mean -
-# wanders most: that is why `bench` repeats runs and reports the median.
+# On a quiet machine every ratio is within a few percent of 1. On a loaded one
+# single rounds wander, because a burst of load elsewhere hits one tool's turn
+# and not the others'; the fastest round of each tool is the steadier comparison,
+# since load can only add time. `Benchmark` - one block, so one mean - wanders
+# most: that is why `bench` repeats runs and reports the median. With a GPU the
+# comparison also runs there, where it matters: all three tools wait for the
+# GPU, so they agree there too, which the seed's timer would not.
 #
 # ## 3. Where the CPU wins and where the GPU wins
 #
@@ -522,7 +563,10 @@ else:
 # `loss.cpu()` - waits until the GPU has computed it. Once per epoch that costs
 # nothing; once per step it stops Python from launching the next step's kernels
 # while the GPU works on this one, so the two take turns instead of overlapping.
-# The fix: accumulate `loss.detach()` on the device and read it once.
+# The fix: accumulate `loss.detach()` on the device and read it once. (The
+# idiom `total_loss += loss.item()`, often recommended in place of
+# `total_loss += loss`, avoids the trap of the next section but still waits
+# once per step.)
 
 # %%
 def make_problem(dev, steps):
@@ -556,14 +600,14 @@ def epoch_sync_once(model, opt, data):
 
 
 def time_epochs(dev, steps, rounds=3):
-    """Seconds per step of each loop: the median over rounds taken in turns."""
+    """Seconds per step of each loop: the fastest of rounds taken in turns."""
     loops = (epoch_item_every_step, epoch_sync_once)
     problems = {fn: make_problem(dev, steps) for fn in loops}
     times = {fn.__name__: [] for fn in loops}
     for _ in range(rounds):
         for fn in loops:
             times[fn.__name__].append(bench(fn, *problems[fn], min_run_time=0.1).median)
-    return {name: statistics.median(ts) / steps for name, ts in times.items()}
+    return {name: min(ts) / steps for name, ts in times.items()}
 
 
 cpu_epoch = time_epochs("cpu", steps=20)
@@ -776,29 +820,46 @@ for _, flops, n in cpu_points["add"]:
           f"{flops * 12 / cpu_bw:.0%} of the measured copy bandwidth")
 
 # %% [markdown]
-# On a GPU the same points are measured, and the peaks come from the device's
-# attributes when pycuda can read them (SMs x float32 lanes per SM x 2 x clock;
-# memory clock x bus width x 2 for the bandwidth); otherwise the measured copy
-# bandwidth stands in and the compute roof is left out, and the plot says so.
+# On a GPU the same points are measured. Its peaks are data-sheet figures,
+# computed from what the device reports (`torch.cuda.get_device_properties`: SM
+# count, clock, memory clock and bus width; pycuda's attributes where an older
+# torch lacks them) and the float32 units per SM from the CUDA programming
+# guide's throughput table: SMs x units x 2 x clock, and 2 (double data rate) x
+# memory clock x bus width. Where they are unavailable, the measured copy
+# bandwidth stands in, the compute roof is left out, and the plot says so. The
+# compute roof is that of the ordinary float32 units: tensor cores (TF32, bf16)
+# have far higher roofs, but PyTorch keeps float32 matmuls off them unless told
+# otherwise (`torch.get_float32_matmul_precision()` is `'highest'` by default).
 
 # %%
+# float32 multiply-add units per SM, by compute capability (CUDA C++ Programming
+# Guide, "Arithmetic Instructions" throughput table)
 LANES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128,
-                (8, 9): 128, (9, 0): 128}  # float32 units per SM (CUDA guide)
+                (8, 9): 128, (9, 0): 128, (10, 0): 128, (12, 0): 128}
 
 
 def gpu_peaks(dev):
-    facts = pycuda_facts()
-    if isinstance(facts, str):
-        return None, None, facts
-    attrs = facts[dev.index or 0]["attributes"]
-    lanes = LANES_PER_SM.get(torch.cuda.get_device_capability(dev))
-    sms, clock_khz = attrs.get("MULTIPROCESSOR_COUNT"), attrs.get("CLOCK_RATE")
-    mem_khz, bus_bits = attrs.get("MEMORY_CLOCK_RATE"), attrs.get("GLOBAL_MEMORY_BUS_WIDTH")
-    flops = sms * lanes * 2 * clock_khz * 1e3 if lanes and sms and clock_khz else None
+    """(peak float32 FLOP/s, peak bytes/s, where they come from) for GPU `dev`."""
+    props = torch.cuda.get_device_properties(dev)
+    clock_khz = getattr(props, "clock_rate", 0)
+    mem_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    source = "torch.cuda.get_device_properties"
+    if not (clock_khz and mem_khz and bus_bits):  # an older torch: ask pycuda
+        facts = pycuda_facts()
+        if isinstance(facts, str):
+            return None, None, facts
+        attrs = facts[dev.index or 0]["attributes"]
+        clock_khz, mem_khz = attrs.get("CLOCK_RATE"), attrs.get("MEMORY_CLOCK_RATE")
+        bus_bits = attrs.get("GLOBAL_MEMORY_BUS_WIDTH")
+        source = "pycuda device attributes"
+    lanes = LANES_PER_SM.get((props.major, props.minor))
+    sms = props.multi_processor_count
+    flops = sms * lanes * 2 * clock_khz * 1e3 if lanes and clock_khz else None
     bw = 2 * mem_khz * 1e3 * bus_bits / 8 if mem_khz and bus_bits else None
     if flops is None and bw is None:
-        return None, None, "pycuda reported no clock or bus width"
-    return flops, bw, "estimated from pycuda device attributes"
+        return None, None, f"{source} gave no clock or bus width"
+    return flops, bw, f"data-sheet peaks from {source}"
 
 
 gpu_roof = None
@@ -809,7 +870,9 @@ if on_gpu:
                                [1 << 16, 1 << 22, 1 << 28])
     gpu_roof = {"points": g_points, "copy_bw": g_bw, "peak_flops": g_peak,
                 "peak_bw": g_bw_peak, "peaks_from": g_how}
-    print(f"{device}: copy {g_bw / 1e9:.0f} GB/s; peaks: {g_how}")
+    print(f"{device}: measured copy {g_bw / 1e9:.0f} GB/s; {g_how}:",
+          "compute", "unknown" if g_peak is None else f"{g_peak / 1e12:.1f} TFLOP/s",
+          "| memory", "unknown" if g_bw_peak is None else f"{g_bw_peak / 1e9:.0f} GB/s")
     reference.record("02.roofline_gpu", gpu_roof, "FLOP/s", device,
                      note="float32; points are [FLOP/byte, FLOP/s, n]")
 for e in reference.show("02.roofline_gpu"):
@@ -818,7 +881,10 @@ for e in reference.show("02.roofline_gpu"):
 
 # %%
 def draw_roofline(ax, peak, bw, color, label, bw_note):
-    xs = [2.0**k for k in range(-6, 12)]
+    if peak is None:  # the bandwidth roof alone, over the elementwise region
+        xs = [2.0**k for k in range(-6, 3)]
+    else:  # both roofs, through the ridge point where they meet
+        xs = sorted([*(2.0**k for k in range(-6, 12)), peak / bw])
     ax.plot(xs, [bw * x for x in xs] if peak is None else [min(peak, bw * x) for x in xs],
             color=color, lw=1.5, label=f"{label} roof ({bw_note})")
 
@@ -835,12 +901,16 @@ for kind, marker in (("matmul", "o"), ("add", "s")):
 if gpu_roof is not None:
     label = gpu_roof.get("label", f"{torch.cuda.get_device_name(device) if on_gpu else ''}")
     peak, bw = gpu_roof["peak_flops"], gpu_roof["peak_bw"] or gpu_roof["copy_bw"]
-    draw_roofline(ax, peak, bw, "tab:green", "GPU",
-                  gpu_roof["peaks_from"] if gpu_roof["peak_bw"] else "copy measured")
+    note = (gpu_roof["peaks_from"] if gpu_roof["peak_bw"] else
+            "bandwidth: copy measured" + ("" if peak else "; compute peak unknown"))
+    draw_roofline(ax, peak, bw, "tab:green", "GPU", note)
     for kind, marker in (("matmul", "o"), ("add", "s")):
         pts = gpu_roof["points"][kind]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:green",
                    marker=marker, label=f"GPU {kind}: {label}")
+        for intensity, flops, n in pts:
+            ax.annotate(f"{n}", (intensity, flops), fontsize=7, xytext=(4, -3),
+                        textcoords="offset points", color="tab:green")
 else:
     ax.text(0.02, 0.95, "no GPU here and\nno GPU reference recorded yet",
             transform=ax.transAxes, fontsize=8, va="top")
@@ -919,10 +989,13 @@ print("restored:", torch.get_num_threads(), "thread(s)")
 # Write `measure(fn, device)`: the time of one call of `fn()` in seconds, in the
 # steady state. `fn` takes no arguments and may launch asynchronous work on
 # `device` (a CPU or a GPU); its first call may be slow. Any correct method
-# passes: `bench`, CUDA events, `torch.utils.benchmark`, or your own loop. The
-# checker gives you a workload whose true cost it knows (and, on a GPU, a real
-# CUDA one) and rejects a missing warm-up, a single run, a total instead of a
-# per-call time, and a timer that does not wait for the device.
+# passes: `bench`, `Benchmark`, CUDA events, `torch.utils.benchmark`, or your
+# own loop. The checker gives you a CPU workload whose true cost it knows and,
+# on a GPU, a real CUDA one; it rejects a missing warm-up, a single run, a
+# total instead of a per-call time, and a timer that does not wait for the
+# device. On a CPU every timing is synchronous, so there the checker reads the
+# names your code (and any helper of yours that it calls) uses for something
+# that waits: a `synchronize`, CUDA events, or a benchmarking tool.
 
 # %% tags=["exercise"] exercise="2.1"
 def measure(fn, device):
