@@ -89,8 +89,11 @@ def gpu_results(name, local=None):
     return out
 
 
-def show_timelines(name, local, panels, title):
-    """For each result of `name`: one figure, a timeline per (key, panel title)."""
+def show_timelines(name, local, panels, title, describe=None):
+    """For each result of `name`: one figure, a timeline per (key, panel title).
+
+    `describe(value)`, if given, returns a line printed under each figure.
+    """
     for source, value in gpu_results(name, local):
         fig, axes = plt.subplots(len(panels), 1, figsize=(8, 1.9 * len(panels) + 0.6),
                                  sharex=True, squeeze=False)
@@ -99,6 +102,8 @@ def show_timelines(name, local, panels, title):
         fig.suptitle(f"{title}\n{source}", fontsize=10)
         fig.tight_layout()
         plt.show()
+        if describe is not None:
+            print(describe(value))
 
 # %% [markdown]
 # ## 1. Streams: the queues between the CPU and the GPU
@@ -171,7 +176,8 @@ else:
 # - `torch.cuda.synchronize()` also gives the right answer, but it stops the
 #   CPU until the whole GPU is idle, throwing away all overlap.
 #
-# All three make the *GPU* wait; only the last makes the CPU wait.
+# The first two make only the side stream wait, on the GPU, and the CPU goes
+# on queueing work; the last makes the CPU wait.
 
 # %%
 SLEEP_CYCLES = 50_000_000  # tens of milliseconds on any recent GPU
@@ -332,10 +338,11 @@ for entry in reference.show("03.allocator_race"):
 # same seed suggests running a model's two independent branches (CLIP's text
 # and image encoders) on two streams to speed up inference; that gains only
 # what one branch leaves idle, so something with small batches, little with
-# large ones. The
-# measurement below sweeps the matrix size, warms up first, and times with
-# CUDA events. Each kernel's start and end are also recorded as events, so
-# we can draw what overlapped. (Note that the side stream first waits for
+# large ones.
+#
+# The measurement below sweeps the matrix size, warms up first, and times
+# with CUDA events. Each kernel's start and end are also recorded as events,
+# so we can draw what overlapped. (Note that the side stream first waits for
 # the default stream: the inputs were made there. The seed's code skips this
 # and is only saved by a `synchronize()` before it.)
 
@@ -417,11 +424,23 @@ for source, v in gpu_results("03.two_streams", sweep_result if HAS_CUDA else Non
 # here.)
 
 # %%
-local_timelines = timelines if HAS_CUDA else None
-show_timelines("03.two_streams_timeline", local_timelines,
+def both_streams_busy(timelines):
+    """The share of the run during which a matmul ran on each stream at once."""
+    parts = []
+    for key, spans in timelines.items():
+        main_ = [sp for sp in spans if sp[0] == "default stream"]
+        side_ = [sp for sp in spans if sp[0] == "side stream"]
+        both = sum(overlap_seconds(m, o) for m in main_ for o in side_)
+        total = max(sp[2] for sp in spans) - min(sp[1] for sp in spans)
+        parts.append(f"{key}: {both / total:.0%}")
+    return "time with both streams running a matmul - " + "; ".join(parts)
+
+
+show_timelines("03.two_streams_timeline", timelines if HAS_CUDA else None,
                [("one_stream", "A@B and C@D on ONE stream"),
                 ("two_streams", "A@B on the default stream, C@D on a side stream")],
-               "4 x (A@B, C@D), 1024x1024 matmuls, from CUDA events")
+               "4 x (A@B, C@D), 1024x1024 matmuls, from CUDA events",
+               describe=both_streams_busy)
 
 # %% [markdown]
 # ### The CPU analogue: two matmuls in two threads
@@ -471,8 +490,10 @@ try:
     for intra in sorted({1, default_threads}):
         torch.set_num_threads(intra)
         run_cpu_streams(n_cpu, 2, threads=False)  # warm-up
-        seq = min(run_cpu_streams(n_cpu, reps_cpu, False) for _ in range(3))
-        par = min(run_cpu_streams(n_cpu, reps_cpu, True) for _ in range(3))
+        # alternate the two, so that a burst of other work on the machine hits both
+        runs = [run_cpu_streams(n_cpu, reps_cpu, threads)
+                for _ in range(4) for threads in (False, True)]
+        seq, par = min(runs[0::2]), min(runs[1::2])
         cpu_results[intra] = (seq, par)
         print(f"{intra} intra-op thread(s) per matmul: one after the other "
               f"{seq[0] * 1e3:.1f} ms, two threads {par[0] * 1e3:.1f} ms, "
@@ -481,9 +502,9 @@ finally:
     torch.set_num_threads(default_threads)  # restore for the rest of the notebook
 if default_threads > 1:
     fill = cpu_results[1][0][0] / cpu_results[default_threads][0][0]
-    print(f"one matmul loop ran {fill:.2f}x faster with {default_threads} intra-op "
-          f"threads than with 1 (it would be {default_threads}x if one matmul "
-          "kept every core busy)")
+    print(f"one matmul loop ran at {fill:.2f}x its one-thread speed with "
+          f"{default_threads} intra-op threads ({default_threads}x would mean one "
+          "matmul keeps every core busy; below 1x, something else holds a core)")
 
 # %% [markdown]
 # How to read these lines. With one intra-op thread per matmul, two threads
@@ -494,10 +515,12 @@ if default_threads > 1:
 # threads only take turns (speed-up near 1); if it gained much less (small
 # matrices, a core busy with other work), the second thread can use what
 # one matmul leaves idle, just as a second stream can on a GPU. Each figure
-# is the best of three runs; on a machine shared with other work (a CI
-# runner, a virtual machine whose cores are shared with other guests) the
-# numbers jump from run to run. The timelines of the one-thread case show
-# the overlap:
+# is the best of four runs, taken alternately; on a machine shared with
+# other work (a CI runner, a virtual machine whose cores are shared with
+# other guests) the numbers still jump from run to run, and torch's
+# intra-op threads suffer most: they assume they own the cores, so when
+# something else holds one, every multi-threaded matmul waits for its
+# slowest thread. The timelines of the one-thread case show the overlap:
 
 # %%
 seq, par = cpu_results[1]
@@ -519,7 +542,8 @@ print(f"the two threads overlapped for {ov * 1e3:.1f} ms of {par[0] * 1e3:.1f} m
 # driver first copies into a pinned staging buffer of its own, chunk by
 # chunk, and the CPU takes part in that. So:
 #
-# - copies from pinned memory are faster, especially large ones;
+# - copies from pinned memory should be faster, especially large ones (the
+#   sweep below measures by how much);
 # - only a copy from pinned memory can be truly asynchronous
 #   (`non_blocking=True` returns at once and the copy runs while the CPU and
 #   the GPU's compute units do other things).
@@ -639,9 +663,21 @@ if HAS_CUDA:
 for entry in reference.show("03.copy_compute"):
     for mode, sec in entry["value"].items():
         print(f"  {mode:>32}: {sec * 1e3:7.1f} ms")
+def hidden_copy_time(timelines):
+    """For each mode: the share of the copy time that ran under a matmul."""
+    parts = []
+    for mode, spans in timelines.items():
+        compute = [sp for sp in spans if sp[0] == "compute"]
+        copies = [sp for sp in spans if sp[0] == "copy"]
+        hidden = sum(overlap_seconds(c, m) for c in copies for m in compute)
+        parts.append(f"{mode}: {hidden / sum(c[2] - c[1] for c in copies):.0%}")
+    return "copy time hidden under compute - " + "; ".join(parts)
+
+
 show_timelines("03.copy_compute_timeline", copy_timelines if HAS_CUDA else None,
                [(mode, mode) for mode in MODES],
-               "8 matmuls (4096x4096) and their copies to the CPU, from CUDA events")
+               "8 matmuls (4096x4096) and their copies to the CPU, from CUDA events",
+               describe=hidden_copy_time)
 
 # %% [markdown]
 # Look for: in the two one-stream timelines the copy lane starts only when the
@@ -882,27 +918,28 @@ print(f"one batch: load {load_s * 1e3:.1f} ms, train {step_s * 1e3:.1f} ms "
 # - `num_workers=0`: the main process loads, then trains: about $n(L+T)$.
 # - `num_workers=1`: one worker loads while the main process trains: about
 #   $n\max(L, T)$, if there is a free core for each.
-# - `num_workers=2`: two workers load at once, but on a two-core machine three
-#   busy processes share two cores, so the whole job takes at least about
-#   the total CPU work divided by the cores, $n(L+T)/\text{cores}$.
+# - `num_workers=2`: two workers load at once: about $n\max(L/2, T)$, but
+#   never less than the total CPU work divided by the cores,
+#   $n(L+T)/\text{cores}$; on a two-core machine three busy processes share
+#   two cores, and that bound is the one that counts.
 #
 # These are estimates: $L$ and $T$ are measured alone, a moment before the
 # epochs, and on a busy machine they drift, so read them as rough.
 #
-# Two costs are not in these estimates: a batch made in a worker must be handed
-# to the main process (through shared memory), and a batch may take *longer*
-# to make in a worker
-# than in the main process when the processes share cores: with other
-# programs, with each other, or with other virtual machines on the same host.
-# The cell below prints the measured epoch times beside the estimates, and the
-# median time to make one batch in each setting (from the timelines), so you
-# can see which of these limits this machine.
+# Two costs are not in these estimates: a batch made in a worker must be
+# handed to the main process (through shared memory), and a batch may take
+# *longer* to make in a worker than in the main process when the processes
+# share cores: with other programs, with each other, or with other virtual
+# machines on the same host. The cell below prints the measured epoch times
+# beside the estimates, and the median time to make one batch in each
+# setting (from the timelines), so you can see which of these limits this
+# machine.
 
 # %%
 n_batches, cores = N_BATCHES, usable_cores()
 estimates = {0: n_batches * (load_s + step_s),
-          1: n_batches * max(load_s, step_s, (load_s + step_s) / cores),
-          2: n_batches * max(load_s / 2, step_s, (load_s + step_s) / cores)}
+             1: n_batches * max(load_s, step_s, (load_s + step_s) / cores),
+             2: n_batches * max(load_s / 2, step_s, (load_s + step_s) / cores)}
 print(f"{cores} usable cores, {n_batches} batches per epoch")
 for k in (0, 1, 2):
     loads = sorted(end - start for lane, start, end, _ in epoch_spans[k]
