@@ -213,13 +213,13 @@ display(widgets.interactive(seed_experiment, size=sizes_slider, steps=steps_slid
 seed_experiment(size=2**18, steps=1000)
 
 # %% [markdown]
-# A size that fits can still be too slow. 16384 x 16384 float32 is 1 GiB; on
-# one CPU thread a thousand doublings of it take minutes, which the cell
+# A size that fits can still be too slow. 32768 x 32768 float32 is 4 GiB; on
+# one CPU thread a thousand doublings of it take many minutes, which the cell
 # estimates from a quick 1024 x 1024 probe and refuses before it allocates
-# anything (a GPU, if present, runs it):
+# anything (a GPU, if present, runs it in seconds):
 
 # %%
-seed_experiment(size=2**14, steps=1000)
+seed_experiment(size=2**15, steps=1000)
 
 # %% [markdown]
 # ## 2. The wrong measurement beside the right one
