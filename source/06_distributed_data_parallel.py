@@ -33,8 +33,10 @@
 # a GPU for every rank, `torchrun` scripts use `nccl` with one GPU per rank, and
 # so does the notebook launcher as long as this notebook's own process has not
 # initialised CUDA (it prints the backend it chose, and why); the collective
-# timings are then recorded as reference results. Without GPUs, those cells show
-# the recorded GPU figures beside the local ones.
+# timings are then recorded as reference results. With a single GPU, the two
+# ranks stay CPU processes with `gloo` (two ranks cannot share one GPU under
+# `nccl`). Without GPUs, the timing cells show the recorded GPU figures beside
+# the local ones.
 
 # %%
 import os
@@ -257,7 +259,10 @@ print(f"torchrun took {time.perf_counter() - start:.1f} s in all")
 # then move). The targets come from the same `TensorDataset` as the inputs, so
 # the sampler shards them together (the slides take the targets from a separate
 # `get_target_tensor()`, which would not match each rank's inputs). And the
-# logged loss is averaged over all ranks' samples, not rank 0's alone.
+# logged loss is averaged over all ranks' samples, not rank 0's alone. One line
+# is simply newer than the slides: `init_process_group(device_id=...)` binds
+# each rank to its GPU, so that a collective with no tensor to go by, such as
+# `barrier`, knows which GPU to use.
 #
 # Both ranks print the same weights: they started from the same seed, DDP
 # broadcast rank 0's parameters when it wrapped the model, and every step applied
