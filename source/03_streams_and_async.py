@@ -403,7 +403,9 @@ for source, v in gpu_results("03.two_streams", sweep_result if HAS_CUDA else Non
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(v["sizes"], speedup, marker="o")
     ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_ylim(min(0.9, min(speedup) - 0.05), max(1.2, max(speedup) + 0.05))
     ax.set_xscale("log", base=2)
+    ax.set_xticks(v["sizes"], [str(n) for n in v["sizes"]])
     ax.set_xlabel("matrix size n (n x n matmuls, log scale)")
     ax.set_ylabel("one stream time / two streams time")
     ax.set_title(f"Speed-up of two streams for two independent matmuls\n{source}",
@@ -571,7 +573,9 @@ for source, v in gpu_results("03.h2d_bandwidth", bw if HAS_CUDA else None):
     ax.plot(v["bytes"], v["pageable_GBps"], marker="o", label="pageable")
     ax.plot(v["bytes"], v["pinned_GBps"], marker="o", label="pinned")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes copied (log scale)")
+    ax.set_xticks(v["bytes"], [f"{b // 1024} KiB" if b < 2**20 else f"{b // 2**20} MiB"
+                               for b in v["bytes"]])
+    ax.set_xlabel("size of the copy (log scale)")
     ax.set_ylabel("host-to-device bandwidth (GB/s)")
     ax.set_title(f"Pinned vs pageable host-to-device copies\n{source}", fontsize=10)
     ax.grid(True, alpha=0.3)
