@@ -166,6 +166,13 @@ else:
 # still waiting behind the long kernel), but "no order" guarantees nothing
 # either way, so the cell prints whether the race showed.
 #
+# Two things could hide the race, and the code avoids both. The first
+# launch of a kernel may load its code, and loading can make the whole GPU
+# wait; so we run everything once before measuring. A new device allocation
+# (`cudaMalloc`) can do the same; PyTorch keeps freed memory cached *per
+# stream*, so we use one side stream for the whole chapter, and after the
+# warm-up its cache already holds what the sum needs.
+#
 # The fixes:
 #
 # - `side.wait_stream(main)`: work queued on `side` from now on waits for
@@ -181,11 +188,12 @@ else:
 
 # %%
 SLEEP_CYCLES = 50_000_000  # tens of milliseconds on any recent GPU
+SIDE = torch.cuda.Stream() if HAS_CUDA else None  # the chapter's side stream
 
 
 def stream_race(fix, n=2048):
     """Fill `a` on the default stream behind a long kernel; sum it on a side stream."""
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    main, side = torch.cuda.current_stream(), SIDE
     a = torch.zeros(n, n, device=device)
     torch.cuda.synchronize(device)
     torch.cuda._sleep(SLEEP_CYCLES)  # the default stream is busy...
@@ -271,9 +279,9 @@ print("expected 1000; without waiting:", thread_race(wait=False),
 # queued work is done.
 #
 # Whether the wrong sum *shows* depends on the allocator handing `x`'s block
-# to the new tensor. Today's caching allocator does that for a block of the
-# same size freed a moment ago (we empty its cache first so that no other
-# block of that size is waiting), but which block it picks is an
+# to the new tensor. Today's caching allocator picks a free block by stream
+# and size in a fixed order, so asking again for the size just freed, with
+# nothing allocated in between, gets the same block back; but that is an
 # implementation detail, and settings such as
 # `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` change it. So read a
 # right answer without `record_stream` as luck, not as safety; the cell
@@ -281,9 +289,7 @@ print("expected 1000; without waiting:", thread_race(wait=False),
 
 # %%
 def allocator_race(use_record_stream, n=2048):
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # no cached block of this size but the one x gets
+    main, side = torch.cuda.current_stream(), SIDE
     x = torch.ones(n, n, device=device)
     side.wait_stream(main)  # the first race is fixed: x is ready
     with torch.cuda.stream(side):
@@ -358,7 +364,7 @@ def two_matmuls(n, reps, two_streams):
     """
     a, b, c, d = (torch.randn(n, n, device=device) for _ in range(4))
     main = torch.cuda.current_stream()
-    other = torch.cuda.Stream() if two_streams else main
+    other = SIDE if two_streams else main
     lane = "side stream" if two_streams else "default stream"
     start, end, marks = timed_event(), timed_event(), []
     torch.cuda.synchronize(device)
@@ -613,7 +619,7 @@ for source, v in gpu_results("03.h2d_bandwidth", bw if HAS_CUDA else None):
 # %%
 def compute_and_copy(x, k, mode):
     """k matmuls, each result copied to the CPU. Returns (seconds, spans, host results)."""
-    main, copier = torch.cuda.current_stream(), torch.cuda.Stream()
+    main, copier = torch.cuda.current_stream(), SIDE
     pinned = mode != "pageable, one stream"
     host = [torch.empty(x.shape, pin_memory=pinned) for _ in range(k)]
     start, end, marks, ys = timed_event(), timed_event(), [], []
@@ -657,7 +663,7 @@ if HAS_CUDA:
     expected = (x @ x).cpu()
     copy_results, copy_timelines = {}, {}
     for mode in MODES:
-        compute_and_copy(x, 2, mode)  # warm-up
+        compute_and_copy(x, 8, mode)  # warm-up: also caches memory for 8 results
         seconds, spans, host = compute_and_copy(x, 8, mode)
         right = all(torch.allclose(h, expected, rtol=1e-4, atol=1e-3) for h in host)
         copy_results[mode], copy_timelines[mode] = seconds, spans
