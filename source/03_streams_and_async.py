@@ -699,13 +699,13 @@ show_timelines("03.copy_compute_timeline", copy_timelines if HAS_CUDA else None,
 # `y.to("cpu", non_blocking=True)` returns a CPU tensor **before** the copy
 # has happened. Reading it then (printing it, `numpy()`, a Python `if`) reads
 # whatever the pinned memory held before: zeros, or values left from an
-# earlier use. No error is raised. (How much of the tensor is stale depends on
-# how far the GPU has got, so the cell prints the fraction that was right.) The fix is to wait before reading: an event
-# recorded after the copy (`ev.synchronize()`), the stream, or the device.
-# Host-to-device `non_blocking` copies do not have this trap, because later
-# GPU work on the same stream is queued behind the copy; their trap is the
-# reverse one: do not overwrite the pinned source on the CPU before the copy
-# has run.
+# earlier use. No error is raised. (How much of the tensor is stale depends
+# on how far the GPU has got, so the cell prints the fraction that was
+# right.) The fix is to wait before reading: an event recorded after the
+# copy (`ev.synchronize()`), the stream, or the device. Host-to-device
+# `non_blocking` copies do not have this trap, because later GPU work on the
+# same stream is queued behind the copy; their trap is the reverse one: do
+# not overwrite the pinned source on the CPU before the copy has run.
 
 # %%
 def d2h_read(value, wait):
