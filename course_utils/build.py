@@ -130,6 +130,14 @@ def generate(source: Path, solutions: bool = False) -> str:
     if not m:
         raise BuildError(f"{source.name}: chapter sources are named NN_topic.py")
     chapter = int(m.group(1))
+    for n, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("# #!"):
+            # jupytext reads "# #!" as an escaped shell command and drops the
+            # "#": a shebang in a markdown code block would lose its "#".
+            raise BuildError(
+                f"{source.name}, line {n}: write '# # #!' for a line that starts "
+                "with '#!' (jupytext reads '# #!' as an escaped shell command)"
+            )
     nb = jupytext.read(source, fmt="py:percent")
     lint(nb, chapter, source.name)
     cells = [marker_cell(source.name)]

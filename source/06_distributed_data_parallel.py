@@ -63,7 +63,7 @@ from course_utils.checks.ch06 import (
 from course_utils.dist import free_port, launch, stop_tree
 from course_utils.plots import plot_time_vs_size
 
-banner()
+banner();
 
 # %% [markdown]
 # ## 1. One process per device
@@ -830,7 +830,7 @@ print("processes started from this notebook that are still running:",
 # script for two nodes with 8 GPUs each looks like this (shown, not run):
 #
 # ```bash
-# #!/bin/bash
+# # #!/bin/bash
 # #SBATCH --job-name=ddp
 # #SBATCH --nodes=2                 # two machines
 # #SBATCH --ntasks-per-node=1       # one torchrun per machine ...

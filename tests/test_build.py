@@ -152,3 +152,15 @@ def test_the_course_notebooks_are_in_sync():
     """The sync gate: notebooks/ is exactly what source/ generates."""
     problems = build.check()
     assert not problems, "\n".join(problems) + "\nrun `make notebooks`"
+
+
+def test_shebang_in_markdown_is_kept_or_refused(tmp_path):
+    src = tmp_path / "source"
+    src.mkdir()
+    body = "# %% [markdown]\n# ```bash\n{}\n# echo hi\n# ```\n"
+    (src / "07_demo.py").write_text(body.format("# #!/bin/bash"))
+    with pytest.raises(build.BuildError, match="# # #!"):
+        build.generate(src / "07_demo.py")
+    (src / "07_demo.py").write_text(body.format("# # #!/bin/bash"))
+    nb = json.loads(build.generate(src / "07_demo.py"))
+    assert "#!/bin/bash\necho hi" in "".join(nb["cells"][1]["source"])
