@@ -85,6 +85,14 @@ class Timing:
     number_per_run: int = 1
     num_threads: int = 1
 
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        """The 25th and 75th percentiles of the runs (``iqr`` is their gap)."""
+        q = torch.tensor(self.times, dtype=torch.float64).quantile(
+            torch.tensor([0.25, 0.75], dtype=torch.float64)
+        )
+        return q[0].item(), q[1].item()
+
     def __str__(self) -> str:
         return (
             f"{self.label}: median {_fmt_s(self.median)} per call, "
@@ -139,12 +147,18 @@ def bench(
 
 @dataclass
 class Sweep:
-    """Timings over sizes, as plain lists that ``plots.plot_time_vs_size`` takes."""
+    """Timings over sizes, as plain lists that ``plots.plot_time_vs_size`` takes.
+
+    ``low`` and ``high`` are the quartiles of each size's runs, when known; the
+    plot shades the band between them.
+    """
 
     label: str
     sizes: list
     median: list[float]
     iqr: list[float]
+    low: list[float] | None = None
+    high: list[float] | None = None
 
 
 def sweep(
@@ -157,9 +171,14 @@ def sweep(
 
     ``measure`` returns a ``Timing`` (from ``bench``) or plain seconds.
     """
-    medians, iqrs = [], []
+    medians, iqrs, lows, highs = [], [], [], []
     for size in tqdm(sizes, desc=label or "sweep", disable=not progress, leave=False):
         t = measure(size)
-        medians.append(t.median if isinstance(t, Timing) else float(t))
-        iqrs.append(t.iqr if isinstance(t, Timing) else 0.0)
-    return Sweep(label=label, sizes=list(sizes), median=medians, iqr=iqrs)
+        timed = isinstance(t, Timing)
+        medians.append(t.median if timed else float(t))
+        iqrs.append(t.iqr if timed else 0.0)
+        low, high = t.quartiles if timed else (medians[-1], medians[-1])
+        lows.append(low)
+        highs.append(high)
+    return Sweep(label=label, sizes=list(sizes), median=medians, iqr=iqrs,
+                 low=lows, high=highs)

@@ -30,13 +30,18 @@ def plot_time_vs_size(
 ):
     """Time against size, one line per sweep, on log axes. Chapter 2.
 
-    The shaded band is the interquartile range of the repeated runs.
+    The shaded band spans the quartiles of the repeated runs when the sweep
+    has them (``low``, ``high``), else an interquartile range centred on the
+    median.
     """
     ax = _axes(ax)
     for s in sweeps:
         (line,) = ax.plot(s.sizes, s.median, marker="o", ms=3, label=s.label)
-        lo = [m - q / 2 for m, q in zip(s.median, s.iqr, strict=True)]
-        hi = [m + q / 2 for m, q in zip(s.median, s.iqr, strict=True)]
+        if s.low is not None and s.high is not None:
+            lo, hi = s.low, s.high
+        else:
+            lo = [m - q / 2 for m, q in zip(s.median, s.iqr, strict=True)]
+            hi = [m + q / 2 for m, q in zip(s.median, s.iqr, strict=True)]
         ax.fill_between(s.sizes, lo, hi, color=line.get_color(), alpha=0.2)
     ax.set_xscale("log" if logx else "linear")
     ax.set_yscale("log" if logy else "linear")

@@ -488,8 +488,9 @@ if on_gpu:
         torch.cuda.synchronize()  # outside the timer: each size starts clean
         seed_style.append(seed_timing(s, device))
     reference.record("02.doubling_sweep_gpu", {"sizes": gpu_sizes,
-                     "median": gpu_sweep.median, "iqr": gpu_sweep.iqr},
-                     "s", device, note="one a += a, median over runs")
+                     "median": gpu_sweep.median, "iqr": gpu_sweep.iqr,
+                     "low": gpu_sweep.low, "high": gpu_sweep.high},
+                     "s", device, note="one a += a, median and quartiles over runs")
     reference.record("02.seed_style_sweep_gpu", {"sizes": gpu_sizes,
                      "seconds": seed_style}, "s", device,
                      note="1000 a += a, time.time(), no sync, no warm-up")
@@ -503,15 +504,18 @@ if on_gpu:
 
 # %%
 def scaled(s, label, factor=1000):
-    return Sweep(label, list(s.sizes), [m * factor for m in s.median],
-                 [q * factor for q in s.iqr])
+    def times(values):
+        return None if values is None else [v * factor for v in values]
+    return Sweep(label, list(s.sizes), times(s.median), times(s.iqr),
+                 times(s.low), times(s.high))
 
 
 shown = [scaled(s, s.label) for s in curves]
 if not on_gpu:
     for e in reference.show("02.doubling_sweep_gpu"):
         v = e["value"]
-        shown.append(scaled(Sweep("", v["sizes"], v["median"], v["iqr"]),
+        shown.append(scaled(Sweep("", v["sizes"], v["median"], v["iqr"],
+                                  v.get("low"), v.get("high")),
                             f"{e['device']} (reference, {e['date']})"))
 ax = plot_time_vs_size(shown, xlabel="tensor size n (n x n float32)",
                        ylabel="time for 1000 doublings (s)",

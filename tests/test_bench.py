@@ -79,5 +79,7 @@ def test_sweep_returns_plain_lists():
         progress=False,
     )
     assert s.sizes == [10, 100] and len(s.median) == 2 and len(s.iqr) == 2
+    for low, median, high, iqr in zip(s.low, s.median, s.high, s.iqr, strict=True):
+        assert low <= median <= high and high - low == pytest.approx(iqr)
     s2 = sweep(lambda n: n * 1e-3, [1, 2], progress=False)
     assert s2.median == [1e-3, 2e-3]
