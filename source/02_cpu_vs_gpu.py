@@ -23,10 +23,15 @@
 
 # %%
 import copy
+import os
 import queue
+import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -406,6 +411,183 @@ for entry in reference.show("02.launch_queue"):
     for n, t_launch, t_total in entry["value"]:
         print(f"    {n:5d} launches: launching {t_launch / n * 1e6:7.1f} us each, "
               f"done after {t_total / n * 1e6:7.1f} us each")
+
+# %% [markdown]
+# ### Timing the stages of a pipeline: whose time is it?
+#
+# A program rarely times one operation; it times its *stages* - the model,
+# then a search over its output, say - to find the one worth speeding up. An
+# unsynchronised stage timer does worse than shrink the GPU's time: it moves
+# it. The first stage only queues its kernels and its timer stops early;
+# the GPU's work is then paid for by whichever later stage first needs a
+# result (`.cpu()`, `.item()`, a `print`), and that stage looks expensive.
+#
+# One of the seeds tells how this misled a line of research. A translation
+# model combined with a nearest-neighbour search over a large datastore
+# (kNN-MT) was timed stage by stage like this; the search seemed to cost far
+# more than the model, and several papers at top venues then set out to make
+# the search cheaper. The model's GPU time had been charged to the search,
+# whose first step was to read the model's output.
+#
+# Below, stage 1 is "the model", stage 2 a real k-nearest-neighbour search on
+# the CPU (`torch.cdist` and `topk` over a datastore of 20,000 vectors) of
+# the model's output. Each is timed with `time.perf_counter()`, once as the
+# seed's story did and once waiting for the device at the stage boundary.
+# Without a GPU, the model runs on the `ToyStream` above (each job sleeps
+# 3 ms, like a kernel the CPU does not wait for); with one, it is a chain of
+# real matmuls on the GPU.
+
+# %%
+DATASTORE = torch.randn(20_000, 64)  # the search's datastore, on the CPU
+
+
+def knn_search(queries, k=8):
+    """Stage 2: the k nearest datastore rows of each query (on the CPU)."""
+    return torch.cdist(queries, DATASTORE).topk(k, largest=False).indices
+
+
+def time_stages(run_model, wait, read_output, sync_between, repeats=5):
+    """Median seconds of each stage, timed with perf_counter around each."""
+    times = {"model": [], "search": []}
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        t0 = time.perf_counter()
+        out = run_model()  # stage 1
+        if sync_between:
+            wait()  # the stage boundary: wait for the device
+        t1 = time.perf_counter()
+        knn_search(read_output(out))  # stage 2: reading the output waits, if needed
+        t2 = time.perf_counter()
+        times["model"].append(t1 - t0)
+        times["search"].append(t2 - t1)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
+
+
+toy = ToyStream()
+
+
+def toy_model(jobs=10):
+    """'Launch' jobs of 3 ms on the toy stream; the last one writes the output."""
+    out = torch.empty(64, 64)
+    for _ in range(jobs - 1):
+        toy.launch(lambda: time.sleep(0.003))
+    toy.launch(lambda: (time.sleep(0.003), out.copy_(torch.randn(64, 64))))
+    return out
+
+
+def toy_read(out):
+    toy.synchronize()  # like .cpu() on a CUDA tensor: wait for what wrote it
+    return out
+
+
+stage_setups = {"cpu (toy stream)": (toy_model, toy.synchronize, toy_read)}
+if on_gpu:
+    weights = [torch.randn(4096, 4096, device=device) / 64 for _ in range(8)]
+
+    def gpu_model():
+        h = torch.randn(4096, 4096, device=device)
+        for w in weights:
+            h = torch.tanh(h @ w)
+        return h
+
+    stage_setups[str(device)] = (gpu_model, lambda: torch.cuda.synchronize(device),
+                                 lambda out: out[:64, :64].cpu())
+stage_times = {}
+for name, (run_model, wait, read_output) in stage_setups.items():
+    for sync_between in (False, True):
+        t = time_stages(run_model, wait, read_output, sync_between)
+        stage_times[(name, sync_between)] = t
+        how = "waiting at the boundary" if sync_between else "no wait (the seed's)"
+        print(f"{name:>17}, {how:<24}: model {t['model'] * 1e3:7.2f} ms, "
+              f"search {t['search'] * 1e3:7.2f} ms")
+if on_gpu:
+    reference.record("02.stage_timing", {
+        "no wait": stage_times[(str(device), False)],
+        "waiting at the boundary": stage_times[(str(device), True)]},
+        "s", device, note="8 chained 4096x4096 matmuls, then a CPU k-NN search")
+for e in reference.show("02.stage_timing"):
+    for how, t in e["value"].items():
+        print(f"    {how:<24}: model {t['model'] * 1e3:7.2f} ms, "
+              f"search {t['search'] * 1e3:7.2f} ms")
+
+# %% [markdown]
+# Compare the two lines of each device. Without the wait, the model looks
+# almost free and the search carries the model's time as well; with it, each
+# stage gets its own. The total is about the same: the naive timer did not
+# lose the GPU's time, it charged it to the wrong stage. To time stages
+# without slowing the program down, record CUDA events between the stages
+# on the stream (`start.record()`, ..., `end.record()`, then
+# `start.elapsed_time(end)` once at the end), or use `torch.profiler`, which
+# reports each kernel's GPU time under the operation that launched it.
+#
+# ### An error that shows up lines later: `CUDA_LAUNCH_BLOCKING=1`
+#
+# Asynchrony also moves *errors*. A kernel that fails - an index out of range
+# checked on the device, an illegal memory access - fails while the GPU runs
+# it, long after Python has left the line that queued it. The error is
+# reported by the next call that waits for the GPU or checks its status, so
+# the traceback points at an innocent line. Setting the environment variable
+# `CUDA_LAUNCH_BLOCKING=1` (before the process initialises CUDA) makes every
+# launch wait for its kernel, so the error is raised at the line that caused
+# it. It removes every overlap of CPU and GPU and slows everything down: it is
+# for debugging, never for measuring. (For memory errors, NVIDIA's
+# `compute-sanitizer` names the kernel and the faulty address.) A device-side
+# error also leaves the process's CUDA context unusable: a notebook has to be
+# restarted. That is why the demonstration below runs in a fresh Python
+# process, once without and once with the variable.
+#
+# On a CPU the same mistake is an ordinary, synchronous error, raised at its
+# line:
+
+# %%
+try:
+    torch.zeros(10)[torch.tensor([20])]
+except IndexError as e:
+    print("on the CPU, at the indexing line: IndexError:", e)
+
+# %%
+ASYNC_ERROR = """\
+import torch
+x = torch.zeros(10, device="cuda")
+bad = torch.tensor([20], device="cuda")  # index 20 of a 10-element tensor
+torch.cuda._sleep(100_000_000)           # keep the GPU busy for a while
+y = x[bad]                               # the bug: checked on the GPU, later
+z = y * 2 + 1
+print("sum:", z.sum().item())            # the first line that waits
+"""
+
+
+def where_the_error_shows(blocking):
+    """Run ASYNC_ERROR in a fresh process; the line its traceback points at."""
+    path = Path("build/ch02/async_error.py")  # build/ is ignored by git
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(ASYNC_ERROR)
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1" if blocking else "0"}
+    proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = re.findall(r'File ".*async_error\.py", line (\d+)', proc.stderr)
+    if proc.returncode == 0 or not lines:
+        return f"no error reported (exit code {proc.returncode})"
+    n = int(lines[-1])
+    return f"line {n}: {ASYNC_ERROR.splitlines()[n - 1].split('#')[0].strip()}"
+
+
+if on_gpu:
+    reported = {f"CUDA_LAUNCH_BLOCKING={int(b)}": where_the_error_shows(b)
+                for b in (False, True)}
+    for k, v in reported.items():
+        print(f"{k}: the error is reported at {v}")
+    reference.record("02.launch_blocking", reported, "line of the traceback", device)
+else:
+    print("no GPU: the script that would run, in a fresh process each time:\n")
+    print(ASYNC_ERROR)
+for e in reference.show("02.launch_blocking"):
+    for k, v in e["value"].items():
+        print(f"    {k}: the error is reported at {v}")
+
+# %% [markdown]
+# What to look for on a GPU: without the variable the traceback points at the
+# last line, the `.item()` that first waited for the GPU, three lines after
+# the bug; with it, at the indexing line itself.
 
 # %% [markdown]
 # ### The same tools, three ways
@@ -976,6 +1158,10 @@ print("restored:", torch.get_num_threads(), "thread(s)")
 # - Measure right: warm up, synchronise (or use CUDA events), repeat, take the
 #   median. `Benchmark` and `bench` do this and agree with
 #   `torch.utils.benchmark`.
+# - Timing stages without waiting at their boundaries charges the GPU's work
+#   to whichever later stage first reads a result; wait at each boundary, or
+#   record CUDA events between stages. `CUDA_LAUNCH_BLOCKING=1` moves a
+#   kernel's error back to the line that caused it (for debugging only).
 # - The CPU wins on small tensors (no launch overhead), the GPU on large ones
 #   (bandwidth and FLOP/s); the crossing point is measured, not assumed.
 # - In training loops, read values with `.item()` once per epoch or per logging
@@ -1080,6 +1266,8 @@ check_roofline_point(roofline_point)
 # | warm-up | 预热 |
 # | median / interquartile range | 中位数 / 四分位距 |
 # | CUDA event | CUDA 事件 |
+# | pipeline stage | 流水线阶段 |
+# | device-side assertion | 设备端断言 |
 # | overflow / infinity | 溢出 / 无穷大 |
 # | computation graph | 计算图 |
 # | contiguous / stride | 连续 / 步长 |
