@@ -600,10 +600,12 @@ for source, v in gpu_results("03.h2d_bandwidth", bw if HAS_CUDA else None):
 #
 # - it timed with `torch.cuda.synchronize()` **without a device** while the
 #   work ran on `cuda:6`; with no argument it waits only for the *current*
-#   device (`cuda:0`). That is why "run on GPU1" took under a millisecond
-#   (only the launches were timed) and the copy seemed to take over a second
-#   (it had to wait for the computation). Pass the device, or use events on
-#   its streams.
+#   device (`cuda:0`). That is why "run on GPU1" took under a millisecond:
+#   only the launches were timed. The copy's 1.44 s then paid for the rest:
+#   the first copy waited for all 50 matmuls (the seed's own correctly timed
+#   run takes 0.28 s), and then 50 results of 64 MB each (3.2 GB) went into
+#   pageable memory, which is slow (section 4). Pass the device to
+#   `synchronize`, or use events on its streams.
 # - queued on the **same** stream, a copy cannot start before every matmul
 #   queued ahead of it has finished: the stream runs in order. So the
 #   `non_blocking` version does not overlap copies with compute at all. It
@@ -739,11 +741,24 @@ for entry in reference.show("03.d2h_trap"):
 #
 # The d2l seed's point is right: if you do not synchronise between two
 # devices, each works through its own queue and both work at the same time.
-# (Its timing of "GPU1 & GPU2" again called `synchronize()` without a device,
-# so it did not wait for `cuda:6` and `cuda:7`: that is why it reported
-# 0.14 s for both, *half* of either GPU alone (0.28 s), which no amount of
-# overlap can give. Done at once, two equal jobs take about as long as one;
-# wait for each device you used.)
+# Two of its explanations need correcting:
+#
+# - Its timing of "GPU1 & GPU2" again called `synchronize()` without a
+#   device, so it did not wait for `cuda:6` and `cuda:7`. It reported 0.14 s
+#   for both, *half* of either GPU alone (0.28 s), which no amount of overlap
+#   can give: the timer stopped while the GPUs were still working, so the
+#   figure is not the time of the work. Done at once, two equal jobs take
+#   about as long as one; wait for each device you used.
+# - It credits the overlap to the framework, which "builds a computation
+#   graph" and "automatically schedules" the work on both GPUs. PyTorch in
+#   eager mode does neither: Python runs the operations in program order, and
+#   each one is queued on the current stream of its tensors' device and
+#   returns. The two GPUs overlap only because queuing is so much faster than
+#   the work, so the second GPU's queue fills while the first is still busy.
+#   Put a `synchronize`, an `.item()` or a `print(tensor)` between the two and
+#   they run one after the other; nothing reorders them for you. (Graph
+#   compilers such as `torch.compile` do analyse dependencies, but within one
+#   device's program, not across the devices of this example.)
 #
 # With one GPU, the second device is the CPU: queue GPU work, do CPU work
 # while the GPU runs, and only then wait for the GPU. With two or more GPUs
