@@ -262,7 +262,11 @@ print(f"torchrun took {time.perf_counter() - start:.1f} s in all")
 # logged loss is averaged over all ranks' samples, not rank 0's alone. One line
 # is simply newer than the slides: `init_process_group(device_id=...)` binds
 # each rank to its GPU, so that a collective with no tensor to go by, such as
-# `barrier`, knows which GPU to use.
+# `barrier`, knows which GPU to use. (The slides also write
+# `optim = optim.Adam(...)`, which rebinds the name of the `torch.optim` module
+# to the optimizer: at the top of a script it works once and breaks the next
+# `optim.` call; inside a function it raises `UnboundLocalError` at once. Name
+# the optimizer `opt`, as here.)
 #
 # Both ranks print the same weights: they started from the same seed, DDP
 # broadcast rank 0's parameters when it wrapped the model, and every step applied
@@ -515,8 +519,11 @@ _ = launch(gather_and_scatter, nprocs=2)
 # %% [markdown]
 # **barrier** waits until every rank has reached it. **send** and **recv** are
 # point to point: one rank sends, one named rank receives, into a tensor of the
-# right size that it allocated. Both block until the transfer is done (`isend`
-# and `irecv` return a handle to `wait()` on instead).
+# right size that it allocated. Under gloo, `send` returns once the tensor may
+# be reused and `recv` once the data has arrived; `isend` and `irecv` return at
+# once, with a handle to `wait()` on. (Under nccl, as for every nccl
+# operation, the calls return once the transfer is queued on the GPU: the
+# stream waits for it, not Python.)
 
 # %%
 def barrier_and_p2p(rank, world_size):
@@ -737,7 +744,9 @@ print("HashStore:", hashes.get("epoch"))
 #
 # **Loading.** `torch.save` records the device of every tensor. Without
 # `map_location`, a checkpoint saved from `cuda:0` loads onto `cuda:0` in every
-# rank, which fills GPU 0 and fails on a machine with fewer GPUs. Pass
+# rank: each rank puts a copy on GPU 0, which runs out of memory first. And a
+# checkpoint saved from `cuda:3` does not load at all on a machine with fewer
+# than four GPUs, or with none. Pass
 # `map_location` (the rank's own device) and `weights_only=True`, which unpickles
 # only tensors and plain containers instead of running arbitrary code (the
 # default since torch 2.6). The seed slides load with neither.
