@@ -586,8 +586,8 @@ for e in reference.show("02.launch_blocking"):
 
 # %% [markdown]
 # What to look for on a GPU: without the variable the traceback points at the
-# last line, the `.item()` that first waited for the GPU, three lines after
-# the bug; with it, at the indexing line itself.
+# last line, the `.item()` that first waited for the GPU, two lines after the
+# bug; with it, at the indexing line itself.
 
 # %% [markdown]
 # ### The same tools, three ways
