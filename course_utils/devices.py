@@ -20,6 +20,15 @@ from course_utils.errors import DoesNotFit
 # the rest is left for the kernel, the allocator's slack and the operating system.
 FIT_FRACTION = 0.8
 
+# 32-bit floating-point lanes ("CUDA cores") per SM, by compute capability: the
+# per-clock throughput of fp32 add, multiply and multiply-add in the CUDA C++
+# Programming Guide ("Arithmetic Instructions"). Chapters 1 and 2.
+FP32_LANES_PER_SM = {
+    (6, 0): 64, (6, 1): 128, (6, 2): 128, (7, 0): 64, (7, 2): 64, (7, 5): 64,
+    (8, 0): 64, (8, 6): 128, (8, 7): 128, (8, 9): 128, (9, 0): 128,
+    (10, 0): 128, (12, 0): 128,
+}
+
 
 def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'`` (binary units, as memory is sized). Chapter 0."""
@@ -85,8 +94,23 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def usable_physical_cores() -> int:
+    """Usable cores, counting SMT siblings once. Chapters 1 and 2.
+
+    Hardware threads that share one physical core share its SIMD units, so
+    arithmetic peaks count physical cores: the usable (logical) cores scaled by
+    physical / logical where the system reports both, at least 1.
+    """
+    import psutil
+
+    physical, logical = psutil.cpu_count(logical=False), os.cpu_count()
+    if not physical or not logical:
+        return usable_cores()
+    return max(1, usable_cores() * physical // logical)
+
+
 def cpu_facts() -> dict:
-    """Model, cores, SIMD width, clock, memory and torch's thread counts. Chapter 0."""
+    """Model, physical/logical cores, SIMD, clock, memory, torch threads. Chapter 0."""
     info = _cpuinfo()
     flags = set(info.get("flags", "").split())
     if "avx512f" in flags:
@@ -106,6 +130,9 @@ def cpu_facts() -> dict:
     mhz = freq.max or freq.current if freq else float(info.get("cpu MHz", 0) or 0)
     return {
         "model": info.get("model name") or platform.processor() or platform.machine(),
+        # SMT (hyper-threading) shows one physical core as several logical ones;
+        # psutil returns None where the platform does not say.
+        "physical_cores": psutil.cpu_count(logical=False),
         "logical_cores": os.cpu_count(),
         "usable_cores": usable_cores(),
         "simd": simd[0],

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from course_utils import banner, check_fits, for_device, try_all_gpus, try_gpu
-from course_utils.devices import cpu_facts, format_bytes, gpu_count, kernel_target
+from course_utils.devices import (
+    cpu_facts,
+    format_bytes,
+    gpu_count,
+    kernel_target,
+    usable_physical_cores,
+)
 from course_utils.errors import DoesNotFit
 
 
@@ -61,6 +67,20 @@ def test_cpu_facts_are_plausible():
     assert facts["usable_cores"] >= 1 and facts["torch_threads"] >= 1
     assert facts["simd_bits"] in (128, 256, 512)
     assert facts["memory_total"] > facts["memory_available"] > 0
+
+
+def test_usable_physical_cores_counts_smt_siblings_once():
+    facts = cpu_facts()
+    n = usable_physical_cores()
+    assert 1 <= n <= facts["usable_cores"]
+    if facts["physical_cores"] == facts["logical_cores"]:
+        assert n == facts["usable_cores"]
+
+
+def test_cpu_facts_physical_cores_fit_within_logical():
+    facts = cpu_facts()
+    physical, logical = facts["physical_cores"], facts["logical_cores"]
+    assert physical is None or 1 <= physical <= logical
 
 
 def test_banner_says_which_situation(capsys):
