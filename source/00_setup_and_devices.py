@@ -6,8 +6,9 @@
 # - why deep learning needs parallelism (compute, memory, scale), and how
 #   *parallel*, *concurrent* and *distributed* differ;
 # - how to ask PyTorch (and pycuda) what hardware this machine has;
-# - where a tensor lives (`tensor.device`), how `.to()` moves tensors and
-#   modules - differently - and how to write code that runs on any device;
+# - where a tensor lives (`tensor.device`), what a device name such as
+#   `"cuda"` means, how `.to()` moves tensors and modules - differently - and
+#   how to write code that runs on any device;
 # - what happens when an operation mixes devices;
 # - how GPU memory is counted: allocated vs reserved, and the old name
 #   `memory_cached`.
@@ -44,24 +45,34 @@ banner();
 #
 # Three pressures push training off a single processor:
 #
-# - **Compute.** Training a large model takes on the order of 10^23 - 10^24
-#   floating-point operations. No single chip does that in a useful time.
+# - **Compute.** Training a frontier model now takes 10^25 floating-point
+#   operations (FLOP) and more. Meta published about 3.8 x 10^25 FLOP for
+#   Llama 3.1 405B. No single chip does that in a useful time.
 # - **Memory.** A model's weights, gradients and optimizer state outgrow one
 #   device's memory long before they outgrow a cluster's.
 # - **Scale.** Both problems are solved by many devices working together, which
 #   brings the subject of this course: splitting the work and moving data
-#   between devices without wasting them.
+#   between devices without wasting them. How many GPUs fit in one server is
+#   not set by PCIe lanes any more (older slides give 8-10 per server for that
+#   reason). A training server typically holds 8 GPUs joined by
+#   NVLink through NVSwitch chips (published: 900 GB/s per H100), and what
+#   stops it from holding more is power, cooling and how the links can be
+#   wired. Between servers the network is much slower (published: one
+#   400 Gb/s InfiniBand NDR port). The fast domain is growing: NVIDIA's
+#   GB200 NVL72 joins 72 GPUs by NVLink across a whole rack (published).
 #
 # The paper on Megatron-LM (Narayanan et al., SC'21) reports training a GPT
 # model of about one trillion parameters on **3072 NVIDIA A100 80 GB GPUs** at an
 # aggregate **502 PFLOP/s**. The published figures are enough to see both
-# pressures; the next cell does the arithmetic.
+# pressures; the next cell does the arithmetic. Nothing in it is measured here:
+# its results are arithmetic consequences of published figures.
 
 # %%
 gpus, aggregate = 3072, 502e15  # published: GPUs, achieved FLOP/s
 a100_peak = 312e12  # A100 dense fp16/bf16 tensor-core peak, FLOP/s (datasheet)
 per_gpu = aggregate / gpus
-print(f"per GPU: {per_gpu / 1e12:.0f} TFLOP/s = {per_gpu / a100_peak:.0%} of the A100 peak")
+print(f"per GPU: {per_gpu / 1e12:.0f} TFLOP/s = "
+      f"{per_gpu / a100_peak:.0%} of the A100 peak")
 
 params = 1e12
 bytes_per_param = 2 + 2 + 12  # fp16 weights, fp16 grads, fp32 master weights + Adam
@@ -69,11 +80,35 @@ state = params * bytes_per_param
 print(f"weights + grads + Adam state: {state / 1e12:.0f} TB; "
       f"at least {state / 80e9:.0f} GPUs of 80 GB just to hold them")
 
+llama_flop = 3.8e25  # published by Meta: training compute of Llama 3.1 405B
+days = llama_flop / aggregate / 86400
+print(f"Llama 3.1 405B at the Megatron run's 502 PFLOP/s: {days:.0f} days "
+      f"({days / 365:.1f} years)")
+
 # %% [markdown]
 # Each GPU kept about half of its peak busy, and merely *storing* the training
 # state needs a couple of hundred GPUs - before a single activation is kept for
-# the backward pass. The rest of the course shows the techniques that make this
-# possible, at a size that fits on your machine.
+# the backward pass. And the whole 3072-GPU machine of 2021 would need years
+# for one of today's frontier training runs; Meta reports using up to 16K H100
+# GPUs for it (published).
+#
+# The two bandwidths in the *Scale* bullet are quoted differently: NVIDIA's
+# 900 GB/s adds both directions, a network port's 400 Gb/s is bits per second
+# in each direction. Put on the same footing:
+
+# %%
+nvlink_each_way = 900e9 / 2  # H100 NVLink, published 900 GB/s = both directions
+ndr_each_way = 400e9 / 8  # one InfiniBand NDR port, published 400 Gb/s each way
+print(f"NVLink: {nvlink_each_way / 1e9:.0f} GB/s each way per H100; "
+      f"one NDR port: {ndr_each_way / 1e9:.0f} GB/s each way "
+      f"({nvlink_each_way / ndr_each_way:.0f}x less)")
+
+# %% [markdown]
+# That gap between inside a server and across servers shapes how later
+# chapters split the work: the kinds of parallelism that exchange data all the
+# time stay inside the fast NVLink domain, and the ones that talk less cross
+# the network (Chapters 6 and 7). The rest of the course shows these
+# techniques at a size that fits on your machine.
 #
 # ## 2. Parallel, concurrent, distributed
 #
@@ -114,10 +149,28 @@ else:
 # device for everything in this course when there is no GPU. `torch` uses a
 # pool of threads for one operation (intra-op) and another for independent
 # operations (inter-op).
+#
+# Count its cores with care. With **SMT** (simultaneous multithreading, which
+# Intel calls hyper-threading) one **physical core** runs two hardware
+# threads and the operating system shows it as two **logical cores**, called
+# siblings. The siblings share that core's execution units, its SIMD units
+# included: a second thread helps when the first one is stalled, waiting for
+# memory, but two number-crunching threads on siblings rarely get much more
+# done than one. `os.cpu_count()` counts logical cores; `psutil` also counts
+# physical ones (or answers `None` where the system does not say).
 
 # %%
-for key, value in devices.cpu_facts().items():
+cpu_info = devices.cpu_facts()
+for key, value in cpu_info.items():
     print(f"{key:>22}: {format_bytes(value) if key.startswith('memory') else value}")
+
+physical, logical = cpu_info["physical_cores"], cpu_info["logical_cores"]
+if physical is None:
+    print(f"\n{logical} logical cores; this system does not report physical ones")
+elif logical > physical:
+    print(f"\n{physical} physical cores show up as {logical} logical ones: SMT is on")
+else:
+    print(f"\n{physical} physical cores, {logical} logical: no SMT here")
 
 # %% [markdown]
 # ### pycuda: the driver's own view
@@ -189,13 +242,104 @@ print(torch.tensor([1.0, 2.0], device=device))  # the modern factory
 print(try_gpu(99))
 
 # %% [markdown]
+# ### Naming a device, and the *current* device
+#
+# A `torch.device` is only a name for a place: a type (`cpu`, `cuda`, `meta`,
+# ...) and an optional index. Making one touches no hardware, so
+# `torch.device("cuda", 1)` works on a laptop; only putting a tensor there
+# needs that GPU. A name without an index, `torch.device("cuda")`, does not
+# mean GPU 0: it means the **current** CUDA device, whichever GPU the process
+# has selected when the tensor is made (GPU 0 unless something changed it).
+# The cell also names `meta`, a device that records shapes and dtypes but
+# holds no data. Section 6 explains it; until then it stands in for a second
+# device, so that the cells show on any machine what a GPU would show.
+
+# %%
+for name in (torch.device("cuda"), torch.device("cuda", 1), torch.device("cuda:1"),
+             torch.device("meta"), torch.device("cpu")):
+    print(f"{name!r:35} type: {name.type:5} index: {name.index}")
+print("torch.device('cuda', 1) == torch.device('cuda:1'):",
+      torch.device("cuda", 1) == torch.device("cuda:1"))
+print("torch.device('cuda') == torch.device('cuda:0'):",
+      torch.device("cuda") == torch.device("cuda:0"))
+
+# %% [markdown]
+# Three calls read and change the current device; they need a GPU:
+#
+# - `torch.cuda.current_device()` returns its index;
+# - `torch.cuda.set_device(i)` changes it for the rest of the process
+#   (Chapter 6 calls it once in each process, so that each process's `"cuda"`
+#   is its own GPU);
+# - `with torch.cuda.device(i):` changes it inside the block only, and puts
+#   the old one back at the end.
+#
+# Calls that take no device use the current one. Chapter 3 relies on this:
+# `torch.cuda.synchronize()` with no argument waits for the current device
+# only, not for every GPU. With two GPUs or more the cell shows the current
+# device changing; with one it shows where `"cuda"` lands; without a GPU it
+# says what it would show.
+
+# %%
+def lands_on():
+    return torch.ones(1, device="cuda").device
+
+
+if torch.cuda.device_count() >= 2:
+    start = torch.cuda.current_device()
+    print("current device:", start, "| 'cuda' lands on", lands_on())
+    with torch.cuda.device(1):
+        print("inside `with torch.cuda.device(1)`:", torch.cuda.current_device(),
+              "| 'cuda' lands on", lands_on())
+    print("after the block:", torch.cuda.current_device())
+    torch.cuda.set_device(1)
+    print("after set_device(1):", torch.cuda.current_device(),
+          "| 'cuda' lands on", lands_on())
+    torch.cuda.set_device(start)  # put it back for the rest of the notebook
+elif torch.cuda.is_available():
+    print("current device:", torch.cuda.current_device(), "| 'cuda' lands on",
+          lands_on())
+    print("One GPU: there is no other device to switch to. With two, set_device(1) "
+          "and `with torch.cuda.device(1)` would make 'cuda' land on cuda:1.")
+else:
+    print("No GPU, so there is no current device. On a machine with two GPUs, "
+          "current_device() answers 0 at the start and a tensor made with "
+          "device='cuda' lands on cuda:0; after set_device(1), or inside "
+          "`with torch.cuda.device(1)`, it lands on cuda:1.")
+
+# %% [markdown]
+# Two names look alike and do different jobs. `torch.device("cuda", 0)` is a
+# *name*: you pass it to `.to()` and to `device=`. `torch.cuda.device(0)` is a
+# *context manager* for a `with` block that changes the current device. It is
+# not a `torch.device`, and `.to()` refuses it, on tensors and modules alike -
+# yet a widely shared slide deck moves its models with
+# `.to(torch.cuda.device(0))`. Making the context manager object needs no GPU,
+# so the mistake shows on any machine:
+
+# %%
+ctx = torch.cuda.device(0)
+print("isinstance(torch.cuda.device(0), torch.device):",
+      isinstance(ctx, torch.device))
+for thing in (torch.ones(2), nn.Linear(2, 2)):
+    try:
+        thing.to(ctx)
+    except TypeError as e:
+        print(f"{type(thing).__name__}.to(torch.cuda.device(0)): TypeError:",
+              str(e).splitlines()[0].split(", but")[0])
+name = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("meta")
+print("a torch.device is accepted:", torch.ones(2).to(name).device)
+
+# %% [markdown]
 # ## 5. `.to()` moves tensors and modules differently
 #
 # `tensor.to(...)` returns a **new** tensor and leaves the original where it was
 # (unless nothing needs to change: then it returns the tensor itself).
-# `module.to(...)` changes the module **in place** - its parameters are
-# replaced - and returns the same module. `.to(dtype)` follows the same rules as
-# `.to(device)`, so the cell shows both on any machine.
+# `module.to(...)` changes the module **in place** and returns the same module.
+# It does not replace its parameters: each `nn.Parameter` stays the same
+# Python object, and only the data inside it (its `.data`) is swapped for the
+# converted copy, so a reference to a parameter taken before the move sees the
+# moved data. Buffers, such as BatchNorm's running statistics, are replaced by
+# new tensors. `.to(dtype)` follows the same rules as `.to(device)`, so the
+# cell shows both on any machine.
 
 # %%
 t = torch.ones(3)
@@ -203,18 +347,69 @@ t64 = t.to(torch.float64)
 print("tensor: new object?", t64 is not t, "| original still", t.dtype)
 print("tensor: .to() with nothing to change returns itself:", t.to(t.device) is t)
 
-m = nn.Linear(3, 2)
+m = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+w, stats = m[0].weight, m[1].running_mean  # references taken before the move
 m2 = m.to(torch.float64)
-print("module: same object?", m2 is m, "| its weight is now", m.weight.dtype)
+print("module: same object?", m2 is m, "| its weight is now", m[0].weight.dtype)
+print("same Parameter object?", m[0].weight is w, "| the old reference is",
+      w.dtype, "| same buffer object?", m[1].running_mean is stats)
 
 t_moved = t.to(device)
-print("t stays on", t.device, "; the copy is on", t_moved.device)
+print("t stays on", t.device, "| t.to(device) is on", t_moved.device,
+      "| a new tensor?", t_moved is not t, "(not when t is there already)")
+
+# %% [markdown]
+# Why it matters: an optimizer keeps references to the Parameter objects it was
+# given. Because `model.to(...)` keeps those objects, an optimizer created
+# before the move still updates the model's real parameters. The usual advice
+# is still to **move the model first, then create the optimizer**, for two
+# reasons the cell shows. An optimizer that makes its state when it is created
+# (Adagrad does) leaves that state where it was. And a conversion that cannot
+# swap the data inside the same object - moving to the `meta` device is one -
+# makes new Parameter objects, which the optimizer has never seen.
+
+# %%
+layer = nn.Linear(3, 2)
+opt = torch.optim.Adagrad(layer.parameters(), lr=0.1)  # makes its state now
+layer.to(device=device, dtype=torch.float64)
+held = opt.param_groups[0]["params"][0]
+print("optimizer holds layer.weight after the move:", held is layer.weight,
+      f"| {held.device}, {held.dtype}")
+adagrad_sum = opt.state[held]["sum"]
+print(f"but its state stayed where it was: {adagrad_sum.device}, {adagrad_sum.dtype}")
+
+layer.to("meta")
+print("after .to('meta') the optimizer holds layer.weight:",
+      opt.param_groups[0]["params"][0] is layer.weight)
 
 # %% [markdown]
 # So `batch.to(device)` on a line of its own does nothing useful: assign the
 # result. For modules `model.to(device)` is enough, though
 # `model = model.to(device)` does no harm.
 #
+# ### Which device is a model on?
+#
+# A tensor has one device; a module has none. `nn.Module` has no `.device`
+# attribute (some slides say it has), because nothing forces its
+# parameters onto one device: Chapter 7 splits models across devices on
+# purpose. The usual idiom asks the first parameter,
+# `next(model.parameters()).device`, which is right when all of them live
+# together; collect the set of devices to be sure. Tensors also have
+# `is_cuda` (`True` on any GPU); older tutorials ask
+# `next(model.parameters()).is_cuda`, with the same blind spot.
+
+# %%
+net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+print("hasattr(net, 'device'):", hasattr(net, "device"))
+first = next(net.parameters())
+print("first parameter:", first.device, "| is_cuda:", first.is_cuda)
+
+elsewhere = device if device.type == "cuda" else torch.device("meta")
+net[1].to(elsewhere)  # the second layer moves, the first stays
+print("first parameter still says", next(net.parameters()).device,
+      "| all of them:", {p.device for p in net.parameters()})
+
+# %% [markdown]
 # ### Device-agnostic code
 #
 # Pick the device once, at the top, and create or move everything with it. The
@@ -230,6 +425,59 @@ loss = nn.functional.cross_entropy(model(inputs), targets)
 loss.backward()
 opt.step()
 print(f"one step on {device}: loss {loss.item():.3f}")
+
+# %% [markdown]
+# ### Making new tensors without naming a device
+#
+# Inside a model's `forward()` there is no `device` variable at hand, and
+# `torch.zeros(shape)` makes a CPU float32 tensor whatever the input is. Make
+# new tensors *from* a tensor you already have instead:
+#
+# - `torch.zeros_like(t)`, `torch.randn_like(t)`: `t`'s shape, dtype and device;
+# - `t.new_zeros(shape)`, `t.new_full(shape, value)`: a new shape, with `t`'s
+#   dtype and device.
+#
+# The cell makes them from a float64 CPU tensor and from a float16 tensor on
+# the `meta` device.
+
+# %%
+def made_from(x):
+    return {
+        "torch.zeros_like(x)": torch.zeros_like(x),
+        "torch.randn_like(x)": torch.randn_like(x),
+        "x.new_zeros((4,))": x.new_zeros((4,)),
+        "x.new_full((2, 2), 7.0)": x.new_full((2, 2), 7.0),
+    }
+
+
+for x in (torch.ones(2, 3, dtype=torch.float64),
+          torch.ones(2, 3, dtype=torch.float16, device="meta")):
+    print(f"x: {x.device}, {x.dtype}")
+    for how, new in made_from(x).items():
+        print(f"  {how:24} -> {new.device}, {new.dtype}, shape {tuple(new.shape)}")
+
+# %% [markdown]
+# In a module that is the difference between code that follows its input and
+# code that works only on the CPU. The `meta` device shows it on any machine,
+# as a GPU would:
+
+# %%
+class AddNoise(nn.Module):
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x)  # follows x wherever it is
+
+
+class AddNoiseOnCPU(nn.Module):
+    def forward(self, x):
+        return x + 0.1 * torch.randn(x.shape)  # always a CPU tensor
+
+
+x = torch.ones(2, 3, device="meta")
+print("randn_like:", AddNoise()(x).device)
+try:
+    AddNoiseOnCPU()(x)
+except RuntimeError as e:
+    print("torch.randn(x.shape): RuntimeError:", str(e).splitlines()[0])
 
 # %% [markdown]
 # ## 6. Operations across devices raise
@@ -255,7 +503,7 @@ print("fixed:", a.to(other) + b)
 # of a model too big for your memory:
 
 # %%
-big = nn.Linear(50_000, 50_000, device="meta")  # 10 GB of weights in float32, 0 bytes here
+big = nn.Linear(50_000, 50_000, device="meta")  # 10 GB of float32 weights, 0 bytes here
 print(big(torch.empty(8, 50_000, device="meta")).shape)
 
 # %% [markdown]
@@ -289,17 +537,18 @@ print(f"{caught[0].category.__name__}: {caught[0].message}")
 
 # %%
 def cuda_memory_steps(device, n_bytes):
+    def counters():
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
     steps = {}
     torch.cuda.synchronize(device)
-    steps["start"] = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+    steps["start"] = counters()
     x = torch.empty(n_bytes // 4, device=device)
-    steps["after allocating"] = (torch.cuda.memory_allocated(device),
-                                 torch.cuda.memory_reserved(device))
+    steps["after allocating"] = counters()
     del x
-    steps["after del"] = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+    steps["after del"] = counters()
     torch.cuda.empty_cache()
-    steps["after empty_cache"] = (torch.cuda.memory_allocated(device),
-                                  torch.cuda.memory_reserved(device))
+    steps["after empty_cache"] = counters()
     return steps
 
 
@@ -319,18 +568,22 @@ check_fits(n_bytes // 4, torch.float32, device)
 if device.type == "cuda":
     steps = cuda_memory_steps(device, n_bytes)
     for step, (alloc, res) in steps.items():
-        print(f"{step:>18}: allocated {format_bytes(alloc):>10}, reserved {format_bytes(res):>10}")
+        print(f"{step:>18}: allocated {format_bytes(alloc):>10}, "
+              f"reserved {format_bytes(res):>10}")
     reference.record("00.allocator_steps", {k: list(v) for k, v in steps.items()},
-                     "bytes (allocated, reserved)", device, note="256 MiB float32 tensor")
+                     "bytes (allocated, reserved)", device,
+                     note="256 MiB float32 tensor")
 else:
     steps = cpu_memory_steps(n_bytes)
     base = steps["start"]
     for step, rss in steps.items():
-        print(f"{step:>18}: process RSS {format_bytes(rss)} ({format_bytes(rss - base)} over start)")
+        print(f"{step:>18}: process RSS {format_bytes(rss)} "
+              f"({format_bytes(rss - base)} over start)")
 for entry in reference.lookup("00.allocator_steps"):
     print(f"\nreference ({reference.label(entry)}):")
     for step, (alloc, res) in entry["value"].items():
-        print(f"{step:>18}: allocated {format_bytes(alloc):>10}, reserved {format_bytes(res):>10}")
+        print(f"{step:>18}: allocated {format_bytes(alloc):>10}, "
+              f"reserved {format_bytes(res):>10}")
 if not reference.lookup("00.allocator_steps"):
     print("\n00.allocator_steps: no reference recorded yet on a GPU")
 
@@ -415,6 +668,8 @@ reference.show("00.matmul_fp32_tflops", local=tflops, unit="TFLOP/s",
 # - `x.detach()` and `x.data` both share `x`'s memory without the graph, but
 #   only `detach()` lets autograd notice an in-place change that would make a
 #   gradient wrong. Prefer `detach()`.
+# - `nn.Softmax()` without `dim`, as many old models write it, is deprecated
+#   (see the second cell below).
 
 # %%
 w = nn.Parameter(torch.ones(3))
@@ -436,6 +691,31 @@ y.sum().backward()
 print(".data: silently wrong gradient", w.grad, "(exp(1) = 2.718 expected)")
 
 # %% [markdown]
+# A softmax must be told which dimension holds the classes. Without `dim`,
+# `nn.Softmax()` guesses from the input's number of dimensions (dimension 0 for
+# 1-D and 3-D inputs, 1 otherwise) and warns each time it runs. On the usual
+# 2-D (batch, classes) input the guess happens to be right; on a 3-D
+# (batch, positions, classes) input it normalises across the batch, a silent
+# bug. The fix is to say it: `nn.Softmax(dim=1)` for (batch, classes), or
+# `dim=-1` for "the last dimension", whatever comes before it.
+
+# %%
+logits = torch.randn(4, 3)  # (batch, classes)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    nn.Softmax()(logits)
+print(f"{caught[0].category.__name__}: {caught[0].message}")
+fixed = nn.Softmax(dim=1)(logits)
+print("nn.Softmax(dim=1): each row sums to 1:",
+      torch.allclose(fixed.sum(dim=1), torch.ones(4)))
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    guessed = nn.Softmax()(torch.randn(4, 5, 3))  # (batch, positions, classes)
+print("3-D input, no dim: sums to 1 across the batch (dim 0):",
+      torch.allclose(guessed.sum(dim=0), torch.ones(5, 3)))
+
+# %% [markdown]
 # ## Summary
 #
 # - Parallelism answers three needs: more compute, more memory, and scale
@@ -445,8 +725,18 @@ print(".data: silently wrong gradient", w.grad, "(exp(1) = 2.718 expected)")
 #   instant; distributed = separate memories that exchange messages.
 # - `torch.cuda` probes the GPUs, `course_utils.devices` the CPU; pycuda adds
 #   the driver's attribute table.
-# - `tensor.to()` returns a new tensor; `module.to()` moves the module in place.
-#   Pick the device once and write device-agnostic code.
+# - A CPU core with SMT shows up as two logical cores that share one core's
+#   execution units; count physical cores for number-crunching.
+# - Inside a server GPUs talk over NVLink, across servers over a network
+#   several times slower; that gap decides where each kind of parallelism goes.
+# - `torch.device("cuda")` names the *current* GPU; `set_device` and
+#   `with torch.cuda.device(i)` change it. `torch.cuda.device` is a context
+#   manager, not a device: never pass it to `.to()`.
+# - `tensor.to()` returns a new tensor; `module.to()` moves the module in place
+#   and keeps its Parameter objects. Still, move the model, then create the
+#   optimizer. A module has no `.device`: ask its parameters.
+# - Pick the device once and write device-agnostic code; inside `forward()`,
+#   make new tensors with `zeros_like`, `randn_like`, `new_zeros`, `new_full`.
 # - Operators refuse operands on different devices; the `meta` device lets you
 #   check placement and shapes with no memory at all.
 # - `memory_allocated` counts live tensors, `memory_reserved` what the caching
@@ -509,3 +799,11 @@ check_memory_held(memory_held)
 # | view (of a tensor) | 视图 |
 # | storage | 存储 |
 # | meta device | meta 设备（只记录形状、不存数据） |
+# | physical core / logical core | 物理核心 / 逻辑核心 |
+# | SMT (simultaneous multithreading) / hyper-threading | 同时多线程 / 超线程 |
+# | current device | 当前设备 |
+# | context manager | 上下文管理器 |
+# | parameter / buffer | 参数 / 缓冲区 |
+# | optimizer state | 优化器状态 |
+# | FLOP (floating-point operations) | 浮点运算（次数） |
+# | interconnect (NVLink, InfiniBand) | 互连 |
