@@ -21,8 +21,9 @@
 #
 # **What you will learn**
 #
-# - How the host (CPU) and the device (GPU) share work: separate memories,
-#   copies in and out, kernel launches over a grid of blocks of threads.
+# - Why a GPU spends its chip so differently from a CPU, and how the host (CPU)
+#   and the device (GPU) share work: separate allocations, copies in and out,
+#   kernel launches over a grid of blocks of threads.
 # - How to give each thread its own element: vector add and matrix multiply,
 #   with the bounds guard that keeps threads inside the array.
 # - Why warps of 32 threads decide memory efficiency (coalescing) and the cost
@@ -51,7 +52,13 @@ import torch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from course_utils import banner, bench, for_device, reference, try_gpu
-from course_utils.devices import cpu_facts, kernel_target, usable_cores
+from course_utils.devices import (
+    FP32_LANES_PER_SM,
+    cpu_facts,
+    kernel_target,
+    usable_cores,
+    usable_physical_cores,
+)
 from course_utils.warps import count_divergent_warps, trace_sectors
 
 banner()
@@ -76,10 +83,110 @@ print("numba CUDA kernels run on:", kernel_target())
 # %% [markdown]
 # ## 1. Host and device
 #
+# ### Two ways to spend a chip
+#
+# A CPU and a GPU are built for different jobs, and they spend their transistors
+# accordingly. A CPU core is designed to finish *one* stream of instructions as
+# soon as possible: large caches keep its data close, out-of-order execution
+# runs later instructions while an earlier one waits for memory, and branch
+# prediction guesses where a branch will go before it is decided. That machinery
+# takes much of the area of each core, so a CPU has few of them. A GPU is
+# designed to finish as *many* independent pieces of work per second as it can.
+# Its cores, the **streaming multiprocessors (SMs)**, have small caches for the
+# number of threads they serve, and no out-of-order execution or branch
+# prediction. The area goes into many simple arithmetic lanes, and into a
+# register file large enough to keep many warps resident at once, so that
+# whenever one warp waits for memory another is ready to run (section 8
+# measures the effect).
+#
+# Two names need care. What NVIDIA calls a **CUDA core** is one 32-bit
+# floating-point lane of an SM. It fetches and schedules no instructions of its
+# own, so it is not a core in the CPU sense: the counterpart of a CPU core is
+# the SM, and the counterpart of a CUDA core is one lane of a CPU's SIMD unit
+# (section 9). And SM stands for *streaming* multiprocessor; the seed's
+# "Stream Multiprocessor" is a slip of the name.
+#
+# Counted in lanes, then: this machine's usable physical cores times the
+# float32 lanes of its widest SIMD instruction, against the GPU's SMs times the
+# FP32 lanes of one SM. (Physical cores, because two hardware threads that
+# share a core with SMT also share its SIMD units: Chapter 0.) The lanes per SM
+# depend on the architecture; `course_utils.devices.FP32_LANES_PER_SM` copies
+# them from the CUDA C++ Programming Guide (throughput of 32-bit floating-point
+# add, multiply and multiply-add, per clock and per SM).
+
+# %%
+cpu_info = cpu_facts()
+cpu_cores = usable_physical_cores()
+cpu_lanes_per_core = cpu_info["simd_bits"] // 32
+cpu_lanes = cpu_cores * cpu_lanes_per_core
+print(f"CPU, {cpu_info['model']}: {cpu_cores} usable physical cores x "
+      f"{cpu_lanes_per_core} float32 lanes ({cpu_info['simd']}) = {cpu_lanes} lanes")
+if on_gpu:
+    props = torch.cuda.get_device_properties(device)
+    gpu_name, gpu_sms = props.name, props.multi_processor_count
+    lanes_per_sm = FP32_LANES_PER_SM.get((props.major, props.minor))
+    resident = gpu_sms * props.max_threads_per_multi_processor
+    gpu_source = f"probed, compute capability {props.major}.{props.minor}"
+else:
+    gpu_name, gpu_sms, lanes_per_sm = "NVIDIA H100 SXM5", 132, 128
+    resident = 132 * 2048  # 2048 resident threads per SM
+    gpu_source = "published figures, not measured here"
+if lanes_per_sm:
+    gpu_lanes = gpu_sms * lanes_per_sm
+    print(f"GPU, {gpu_name} ({gpu_source}): {gpu_sms} SMs x {lanes_per_sm} FP32 "
+          f"lanes = {gpu_lanes:,} lanes ('CUDA cores'), "
+          f"{gpu_lanes / cpu_lanes:.0f}x this CPU's")
+else:
+    print(f"GPU, {gpu_name}: {gpu_sms} SMs; compute capability {props.major}."
+          f"{props.minor} is not in the table, see the programming guide")
+print(f"threads that can be resident at once: {cpu_info['usable_cores']} on the "
+      f"CPU (one per usable logical core), {resident:,} on the GPU")
+
+# %% [markdown]
+# Lanes are not the whole comparison: a CPU lane runs at a higher clock, and a
+# CPU core can often start more than one SIMD instruction per cycle. What
+# the count does show is the design: the GPU has far more lanes, and to keep
+# them busy it keeps vastly more threads resident, so it needs that much
+# independent work. A problem of a few thousand elements leaves most of a GPU
+# idle; Chapter 2 measures where the CPU wins.
+#
+# ### From graphics shaders to CUDA, and the software stack today
+#
+# Before CUDA, computing on a GPU (GPGPU, general-purpose computing on GPUs)
+# went through the graphics pipeline. The data were packed into textures, the
+# computation was written as a fragment shader in a shading language such as
+# GLSL (OpenGL's), and the results were read back as the pixels of a rendered
+# image. It worked, but every problem had to be disguised as drawing, with the
+# data types and memory access that drawing allows. NVIDIA's **CUDA** (first
+# released in 2007) exposed the same hardware as a general parallel processor
+# programmed in an extension of C. **OpenCL** (specification 1.0 in 2008), a
+# vendor-neutral standard, and the **compute shaders** of Direct3D 11 (2009)
+# and OpenGL 4.3 (2012) followed with the same model: kernels over a grid of
+# threads.
+#
+# The stack today: kernels are written in CUDA C/C++ (NVIDIA also supports
+# Fortran) and compiled by `nvcc`; from Python, just-in-time compilers turn
+# Python functions into GPU code at run time - numba's `@cuda.jit`, used in this
+# chapter, and Triton, which programs whole blocks rather than single threads
+# and is the language `torch.compile` writes its GPU kernels in. PyTorch's own
+# operators are C++/CUDA kernels in its ATen library. The elementwise ones live
+# in files such as `aten/src/ATen/native/cuda/AbsKernel.cu`: a small function
+# says what to do with one element, and a shared loop template launches a grid
+# over all elements (each thread taking a few). Matrix multiplies and
+# convolutions are handed to NVIDIA's libraries, cuBLAS and cuDNN.
+#
+# ### Kernels, and copies in and out
+#
 # A CUDA program has two sides. The **host** is the CPU with its RAM; it runs
 # your Python. The **device** is the GPU with its own memory (HBM on data-centre
-# GPUs). A kernel running on the device can only read device memory, so the
-# pattern is always the same:
+# GPUs). By default a kernel reads and writes device memory only. There are two
+# exceptions: a kernel may use *mapped pinned* host memory directly across the
+# bus ("zero-copy"), and *managed* memory moves its pages to the GPU when a
+# kernel touches them (both are explained below). Neither makes the bus
+# faster: zero-copy memory crosses it on every access, so data read more than
+# once is much slower there than in HBM, and managed memory pays a page fault
+# and a migration whenever a page is first touched on the other side. The usual
+# pattern is therefore:
 #
 # 1. allocate on the device and **copy the inputs in** (host to device),
 # 2. **launch** the kernel over many threads,
@@ -110,6 +217,55 @@ print("host array:", type(x_host).__name__, "| device array:", type(x_dev).__nam
 # runs. Passing a NumPy array straight to a kernel also works, but numba then
 # copies it in and out around *every* launch: explicit copies let you keep data
 # on the device between kernels, which is what PyTorch does with CUDA tensors.
+#
+# ### One address space, separate allocations
+#
+# One seed says that recent NVIDIA GPUs have virtual memory like a CPU's, so
+# that data moved from host memory into GPU memory keeps its address, pages
+# migrate between the two on page faults, and processes share data without
+# copies. Each part is true only in a narrower sense:
+#
+# - **Unified virtual addressing** (UVA, since CUDA 4.0 in 2011, for 64-bit
+#   programs): host memory and the memory of every GPU lie in *one* virtual
+#   address space, so an address alone says which device owns it. It is about
+#   naming, not moving: no data move because of it.
+# - **Managed (unified) memory** (`cudaMallocManaged`, since CUDA 6.0 in 2014):
+#   one allocation that host and device both use at the same address; the
+#   driver migrates its pages to whichever side touches them, on demand through
+#   page faults on GPUs of compute capability 6.0 (Pascal) or later. This holds
+#   only for memory allocated as managed.
+# - **PyTorch tensors are not managed memory.** By default PyTorch's CUDA
+#   allocator hands out ordinary device memory, so `.to("cuda")` *copies* the
+#   data into a new allocation at a new address, and the host tensor stays
+#   where it was. The same copy semantics hold on the CPU whenever `.to()` has
+#   something to convert, such as the dtype, and `.clone()` always copies.
+# - **CUDA IPC** (inter-process communication): another process can map an
+#   existing GPU allocation into its own address space and use it without a
+#   copy. That is how `torch.multiprocessing` hands a CUDA tensor to another
+#   process.
+#
+# `data_ptr()` gives the address of a tensor's first element, so it shows which
+# operations made a new allocation.
+
+# %%
+x_cpu = torch.arange(4, dtype=torch.float32)
+versions = {
+    "x_cpu": x_cpu,
+    "x_cpu.to(torch.float32)": x_cpu.to(torch.float32),  # nothing to convert
+    "x_cpu.to(torch.float64)": x_cpu.to(torch.float64),  # a new dtype
+    "x_cpu.clone()": x_cpu.clone(),
+}
+if on_gpu:
+    versions['x_cpu.to("cuda")'] = x_cpu.to(device)
+for label, t in versions.items():
+    where = "same memory" if t.data_ptr() == x_cpu.data_ptr() else "new allocation"
+    print(f"{label:24} on {str(t.device):6} data_ptr 0x{t.data_ptr():x}  {where}")
+
+# %% [markdown]
+# Every conversion and every copy lands at a new address; only `.to()` with
+# nothing to do returns the very same tensor. With a GPU, the CUDA copy gets an
+# address in the same (unified) address space as the host's, but a different
+# one: the data were copied, not re-mapped.
 #
 # ## 2. Grids of blocks of threads, and the 1024 limit
 #
@@ -267,6 +423,41 @@ if kernel_target() == "simulator":
 else:
     print("not run on a GPU: out-of-bounds writes are not checked there and would"
           " corrupt memory instead of raising")
+
+# %% [markdown]
+# ### How big a block, and how many?
+#
+# A seed warns that a launch with "too many" threads wastes threads that other
+# kernels running at the same time could have used. Rounding up costs much less
+# than that: the spare threads are all in the last block, at most
+# `threads - 1` of them, and each reaches the bounds guard and exits after a
+# handful of instructions. The rules that do matter are two:
+#
+# - a block size that is a **multiple of 32**, so that every warp is full. A
+#   block of 100 threads runs as 4 warps, and in *every* block the last warp
+#   has idle lanes for the kernel's whole life; 128 to 256 threads per block is
+#   the usual choice.
+# - **enough blocks** that every SM gets several of them, because an SM hides
+#   memory latency by switching between resident warps (section 8 measures it).
+#
+# The cell counts the idle threads of our launch, of the worst case for the
+# same block size (one element into a new block), and of a large launch. Even
+# in the worst case the idle threads only pass the guard and leave, and in a
+# large launch they are a vanishing fraction.
+
+# %%
+def idle_threads(n_elements, block_size):
+    n_blocks = (n_elements + block_size - 1) // block_size
+    return n_blocks * block_size - n_elements, n_blocks * block_size
+
+
+for n_elements in (n, 1025, 10**6):
+    idle, launched = idle_threads(n_elements, threads)
+    print(f"{n_elements:9,} elements, blocks of {threads}: {idle:3} idle threads of "
+          f"{launched:,} launched ({idle / launched:.2%})")
+warps_100 = (100 + 31) // 32
+print(f"a block of 100 threads: {warps_100} warps, {warps_100 * 32 - 100} idle lanes "
+      "in the last warp")
 
 # %% [markdown]
 # ## 5. Matrix multiply, one thread per output element
@@ -603,6 +794,56 @@ for k, v in facts.items():
     print(f"  {k:45} {v}")
 
 # %% [markdown]
+# ### How fast each level is
+#
+# Sizes are half the story; bandwidth is the other half. Shared memory is split
+# into 32 banks that each deliver 4 bytes per clock, so an SM serves a whole
+# warp's 32-bit loads in one clock when no two threads hit the same bank. Times
+# the SMs and the clock, that is the shared-memory bandwidth of the whole GPU.
+# NVIDIA publishes no bandwidth for the L2 cache; on a GPU, the copy sweep
+# further down (buffers up to 2 GiB) shows it as the high plateau of the
+# buffers that fit in L2, below 50 MB on an H100. Data that must leave the GPU
+# cross links far slower than HBM: PCIe to the host, NVLink to other GPUs.
+# Registers are faster still, but no bandwidth is published for them either.
+# The cell lists the H100 SXM5's figures; with a GPU it also computes the
+# shared-memory bandwidth of the GPU it runs on, from its probed SMs and clock.
+
+# %%
+def shared_memory_bandwidth(n_sms, clock_hz):
+    return n_sms * 32 * 4 * clock_hz  # SMs x 32 banks x 4 bytes x clocks per second
+
+
+h100_smem = shared_memory_bandwidth(132, 1.98e9)  # published: 132 SMs, 1.98 GHz boost
+h100_levels = {  # bytes per second
+    "shared memory, all SMs": (h100_smem, "computed: 132 SMs x 32 x 4 B x 1.98 GHz"),
+    "L2 cache": (None, "not published: see the copy sweep below"),
+    "HBM3": (3.35e12, "published (datasheet)"),
+    "NVLink 4, to other GPUs": (900e9, "published, per GPU, both directions"),
+    "PCIe Gen5 x16, to the host": (64e9, "published, about, each direction"),
+}
+print("NVIDIA H100 SXM5, from published figures (not measured here):")
+for level, (bw, how) in h100_levels.items():
+    shown = "-" if bw is None else (f"{bw / 1e12:.3g} TB/s" if bw >= 1e12
+                                    else f"{bw / 1e9:.0f} GB/s")
+    print(f"  {level:28} {shown:>11}   {how}")
+hbm, pcie = h100_levels["HBM3"][0], h100_levels["PCIe Gen5 x16, to the host"][0]
+print(f"shared memory / HBM: {h100_smem / hbm:.0f}x, HBM / PCIe: {hbm / pcie:.0f}x")
+if on_gpu:
+    props = torch.cuda.get_device_properties(device)
+    clock_khz = getattr(props, "clock_rate", 0) or cuda.get_current_device().CLOCK_RATE
+    smem_bw = shared_memory_bandwidth(props.multi_processor_count, clock_khz * 1e3)
+    print(f"this GPU, {props.name}: {props.multi_processor_count} SMs x 32 x 4 B x "
+          f"{clock_khz / 1e6:.2f} GHz = {smem_bw / 1e12:.1f} TB/s of shared memory "
+          "(computed from its probed properties)")
+    reference.record("01.shared_memory_bandwidth", smem_bw / 1e12, "TB/s", device)
+_ = reference.show("01.shared_memory_bandwidth", unit="TB/s (computed from probes)")
+
+# %% [markdown]
+# Read the two ratios: each step outwards costs an order of magnitude or more of
+# bandwidth, and a byte that must come from the host is the most expensive one a
+# kernel can read. That is why training keeps its tensors on the GPU, and why
+# fast kernels reuse data in shared memory (the tiled matmul below).
+#
 # ### Hiding latency with many warps
 #
 # A load from HBM takes hundreds of cycles, and a warp waiting for it does
@@ -672,12 +913,12 @@ if lat_curve:
 # run it again if it looks ragged.
 
 # %%
-def copy_bandwidth(n_bytes):
-    x = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+def copy_bandwidth(n_bytes, on=device):
+    x = torch.empty(n_bytes // 4, dtype=torch.float32, device=on).fill_(1.0)
     y = torch.empty_like(x)
     # one CPU thread: one core's caches, and steadier on a machine shared with others
     timing = bench(y.copy_, x, min_run_time=0.03,
-                   num_threads=for_device(device, cpu=1, gpu=None))
+                   num_threads=for_device(on, cpu=1, gpu=None))
     t = min(timing.times)  # the fastest run: other programs can only slow one down
     return 2 * n_bytes / t / 1e9  # read x and write y
 
@@ -713,6 +954,34 @@ print(f"peak {bw_curve[best]:.0f} GB/s at {sizes[best] // 2**20} MiB buffers, "
       f"largest ({sizes[-1] // 2**20} MiB)")
 
 # %% [markdown]
+# ### A figure to correct
+#
+# The seed's picture of the hierarchy comes from the FlashAttention paper (Dao
+# et al., 2022), which gives for an A100: on-chip SRAM 19 TB/s, HBM 1.5 TB/s and
+# "CPU DRAM" 12.8 GB/s. The first two fit the A100, as the cell below computes
+# from its published figures. The third does not describe a server's memory:
+# even one thread copying on this machine may beat it (the cell reuses the
+# largest buffer of the sweep above, or measures one on the host with a GPU),
+# and a server socket of the A100's generation has eight DDR4-3200 memory
+# channels working at once. 12.8 GB/s is rather the order of what the **PCIe
+# link** between host memory and the GPU delivers, and that link, not the DRAM,
+# is what limits a GPU reading data from the host.
+
+# %%
+a100_smem = shared_memory_bandwidth(108, 1.41e9)  # published: 108 SMs, 1.41 GHz boost
+host_copy = bw_curve[-1] if not on_gpu else copy_bandwidth(2**27, on="cpu")
+ddr4_socket = 8 * 3200e6 * 8  # 8 channels x 3200 MT/s x 8 bytes (published spec)
+pcie4 = 16e9 * 16 / 8 * 128 / 130  # 16 GT/s x 16 lanes, 128b/130b encoding
+print("FlashAttention's A100 figures against what they should be:")
+print(f"  SRAM 19 TB/s:     108 SMs x 32 x 4 B x 1.41 GHz = {a100_smem / 1e12:.1f} TB/s"
+      " (computed from published figures)")
+print("  HBM 1.5 TB/s:     A100 40GB, 1.555 TB/s (published)")
+print(f"  DRAM 12.8 GB/s:   one thread copying here: {host_copy:.1f} GB/s (measured);"
+      f" 8 x DDR4-3200 socket: {ddr4_socket / 1e9:.1f} GB/s (computed from spec)")
+print(f"                    PCIe Gen4 x16, each direction: {pcie4 / 1e9:.1f} GB/s "
+      "(computed from spec) - the real bottleneck")
+
+# %% [markdown]
 # ### Shared memory: a tiled matrix multiply
 #
 # In the naive matmul every thread reads a whole row of A and a whole column of
@@ -721,6 +990,9 @@ print(f"peak {bw_curve[best]:.0f} GB/s at {sizes[best] // 2**20} MiB buffers, "
 # element of a TILE x TILE piece of A and one of B into shared memory, the block
 # waits at `cuda.syncthreads()`, and then every thread reads its TILE products
 # from fast shared memory. Global traffic falls by a factor of about TILE.
+# FlashAttention rests on the same idea: it computes attention tile by tile in
+# shared memory, so the large n x n matrix of attention scores is never written
+# to HBM.
 
 # %%
 TILE = 16
@@ -1056,17 +1328,27 @@ else:
 #
 # ## Summary
 #
+# - A CPU spends its chip on a few strong cores; a GPU spends it on many simple
+#   lanes and on keeping many warps resident to hide latency. A "CUDA core" is
+#   one lane; the SM is the GPU's counterpart of a CPU core.
 # - The host launches kernels on the device, which has its own memory: copy
-#   inputs in, launch, copy results out (or keep data on the device).
+#   inputs in, launch, copy results out (or keep data on the device). Host and
+#   GPUs share one virtual address space, but `.to("cuda")` still copies into a
+#   new allocation; only managed memory keeps its address while its pages
+#   migrate.
 # - A launch is a grid of blocks of threads, each up to 3-D; a block holds at
 #   most 1024 threads, and big problems use more blocks. Round the block count
 #   up and guard the index: out-of-bounds threads are silent bugs on a GPU.
+#   The few idle threads rounding leaves cost little; pick a multiple of 32 for
+#   the block size and enough blocks for every SM.
 # - Threads run in warps of 32. A warp's memory request costs one 32-byte sector
 #   per distinct sector it touches: neighbouring threads should read
 #   neighbouring addresses (not "16 threads", as the seed says).
 # - A branch costs extra only when it splits a warp; then both paths run.
-# - Registers, shared memory, L2 and HBM trade size for speed; a tiled kernel
-#   reuses data in shared memory and moves far fewer sectors.
+# - Registers, shared memory, L2 and HBM trade size for speed, and the links
+#   off the GPU (NVLink, PCIe) are slower still; a tiled kernel reuses data in
+#   shared memory and moves far fewer sectors, as FlashAttention does for
+#   attention.
 # - SIMD on a CPU and warps on a GPU are the same idea at different scales;
 #   Amdahl's law caps any parallel speed-up by the serial fraction.
 #
@@ -1157,6 +1439,16 @@ check_coalesced_element(coalesced_element)
 # | thread / block / grid | 线程 / 线程块 / 网格 |
 # | warp | 线程束 |
 # | streaming multiprocessor (SM) | 流式多处理器 |
+# | CUDA core (FP32 lane) | CUDA 核心（FP32 运算单元） |
+# | SIMD lane | SIMD 通道 |
+# | out-of-order execution / branch prediction | 乱序执行 / 分支预测 |
+# | latency hiding | 延迟隐藏 |
+# | shader / GPGPU | 着色器 / GPU 通用计算 |
+# | unified virtual addressing (UVA) | 统一虚拟寻址 |
+# | managed (unified) memory | 统一内存（托管内存） |
+# | zero-copy (mapped pinned) memory | 零拷贝内存（映射的锁页内存） |
+# | inter-process communication (IPC) | 进程间通信 |
+# | bandwidth / shared-memory bank | 带宽 / 共享内存存储体（bank） |
 # | coalesced access | 合并访存 |
 # | sector / cache line | 扇区 / 缓存行 |
 # | warp divergence | 线程束分化 |
