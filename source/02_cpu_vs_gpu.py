@@ -51,7 +51,12 @@ from course_utils import (
     try_gpu,
 )
 from course_utils.bench import Sweep, synchronize
-from course_utils.devices import cpu_facts, pycuda_facts
+from course_utils.devices import (
+    FP32_LANES_PER_SM,
+    cpu_facts,
+    pycuda_facts,
+    usable_physical_cores,
+)
 from course_utils.errors import DoesNotFit
 from course_utils.plots import plot_time_vs_size
 
@@ -960,7 +965,8 @@ cpu_peak = CPU_THREADS * lanes * 2 * clock_hz
 print(f"{facts['model']}: {facts['simd']} ({lanes} float32 lanes), FMA: {facts['fma']},"
       f" {facts['clock_mhz']} MHz, {facts['usable_cores']} usable cores")
 print(f"estimated float32 peak: {cpu_peak / 1e9:.0f} GFLOP/s with {CPU_THREADS} thread "
-      f"({facts['usable_cores'] * lanes * 2 * clock_hz / 1e9:.0f} GFLOP/s on all cores)")
+      f"({usable_physical_cores() * lanes * 2 * clock_hz / 1e9:.0f} GFLOP/s on all "
+      f"{usable_physical_cores()} physical cores)")
 
 
 def copy_bandwidth(dev, n_floats):
@@ -1018,12 +1024,6 @@ for _, flops, n in cpu_points["add"]:
 # otherwise (`torch.get_float32_matmul_precision()` is `'highest'` by default).
 
 # %%
-# float32 multiply-add units per SM, by compute capability (CUDA C++ Programming
-# Guide, "Arithmetic Instructions" throughput table)
-LANES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128,
-                (8, 9): 128, (9, 0): 128, (10, 0): 128, (12, 0): 128}
-
-
 def gpu_peaks(dev):
     """(peak float32 FLOP/s, peak bytes/s, where they come from) for GPU `dev`."""
     props = torch.cuda.get_device_properties(dev)
@@ -1039,7 +1039,7 @@ def gpu_peaks(dev):
         clock_khz, mem_khz = attrs.get("CLOCK_RATE"), attrs.get("MEMORY_CLOCK_RATE")
         bus_bits = attrs.get("GLOBAL_MEMORY_BUS_WIDTH")
         source = "pycuda device attributes"
-    lanes = LANES_PER_SM.get((props.major, props.minor))
+    lanes = FP32_LANES_PER_SM.get((props.major, props.minor))  # Chapter 1's table
     sms = props.multi_processor_count
     flops = sms * lanes * 2 * clock_khz * 1e3 if lanes and clock_khz else None
     bw = 2 * mem_khz * 1e3 * bus_bits / 8 if mem_khz and bus_bits else None
