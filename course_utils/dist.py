@@ -1,35 +1,53 @@
 """Run a function in N processes from a notebook: ``launch(fn, nprocs=2)``.
 
-Introduced in Chapter 6 (DistributedDataParallel); the data, pipeline and
+Introduced in Chapter 6 (DistributedDataParallel); the CPU, pipeline and
 sharding chapters use it too. Each rank runs ``fn(rank, world_size, *args)``
-inside an initialised process group, as torchrun would run a script:
+inside an initialised process group, as torchrun would run a script. What the
+launcher guarantees:
 
-- start method: ``fork``, so functions defined in the notebook work. While
-  CUDA is not initialised in this process the forked ranks may use their GPUs
-  (nccl); ``course_utils`` asks NVML, not the CUDA driver, how many GPUs there
-  are, so importing it and printing the banner keep it that way. Once CUDA is
-  initialised, forked ranks stay on the CPU (gloo, and the launcher says so),
-  a function importable from a module is spawned instead, and asking for nccl
-  with a notebook function is refused in one line;
-- rendezvous on a free port of 127.0.0.1 (``MASTER_ADDR``, ``MASTER_PORT``,
-  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` are set);
-- backend ``nccl`` when there is a GPU per rank, ``gloo`` otherwise (printed);
-- each rank's stdout and stderr (C-level output too) and its return value come
-  back as plain data; tensors are moved to the CPU first;
-- a per-run timeout, and no process left behind after success, a failing rank,
-  a timeout or a KeyboardInterrupt.
+- **No OpenMP hang.** Ranks are *forked*, so functions defined in the notebook
+  work, and every forked rank runs **one** intra-op thread: GNU OpenMP is not
+  fork-safe, and a forked child that runs a multi-threaded op after its parent
+  did hangs for ever (pytorch/pytorch#17199). One core per rank is also the
+  honest CPU analogue of one device per rank. ``threads=k`` asks for more; the
+  ranks then start in fresh interpreters (spawn), which needs ``fn`` in a
+  ``.py`` module.
+- **CUDA.** While CUDA is not initialised in this process, forked ranks may
+  use their GPUs (nccl); ``course_utils`` asks NVML, not the CUDA driver, how
+  many GPUs there are. Once CUDA is initialised, forked ranks stay on the CPU
+  (gloo, and the launcher says so), a module function is spawned instead, and
+  asking for nccl with a notebook function is refused in one line.
+- **Rendezvous** on a free port of 127.0.0.1 (``MASTER_ADDR``, ``MASTER_PORT``,
+  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); a picked
+  port that something else took in the meantime is retried once.
+- **Backend** ``nccl`` when there is a GPU per rank, ``gloo`` otherwise.
+- **Results**: each rank's stdout and stderr (C-level output too) and its
+  return value come back as plain data; tensors are moved to the CPU first.
+- **No process left behind**, whatever happens: after success (a rank's own
+  child processes are ended too), a failing rank, a timeout, an interrupt,
+  SIGTERM to this process, or even SIGKILL (each rank gets a parent-death
+  signal, and a small watchdog process ends the ranks' process groups).
+- **Clear failures**: the first failing rank's traceback; a rank killed by a
+  signal is named (SIGKILL: out of memory?); on a timeout, each unfinished
+  rank's Python stack at the moment it was stopped.
 """
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import pickle
+import re
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -40,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from course_utils.devices import usable_cores
 from course_utils.errors import FriendlyError
 
 
@@ -53,6 +72,10 @@ class RankFailed(FriendlyError):
 
 class LaunchTimeout(FriendlyError, TimeoutError):
     """Some ranks did not finish within the timeout; all were stopped (Chapter 6)."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while ranks were running (raised in the main thread)."""
 
 
 @dataclass
@@ -102,25 +125,51 @@ def _importable(fn: Callable) -> bool:
     return found is fn
 
 
-def choose_start_method(fn: Callable, backend: str) -> tuple[str, str]:
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", "the function")
+
+
+NO_FORK = (
+    "this platform cannot fork processes ({platform}), so each rank must start a "
+    "fresh Python that imports {name} from a module: write it to a .py file, import "
+    "it and launch that (or run the course on Linux, or in WSL on Windows)."
+)
+
+
+def choose_start_method(fn: Callable, backend: str, threads: int = 1) -> tuple[str, str]:
     """``(method, why)``: fork when safe, spawn for module functions (Chapter 6).
 
-    A forked process cannot use CUDA once its parent has initialised it (torch
-    raises if it tries), so after that fork is used only for CPU ranks (gloo).
+    Fork is refused when CUDA is initialised here and the ranks need it (a forked
+    process cannot use CUDA then), and when a rank should run more than one
+    thread (OpenMP is not fork-safe). Spawn starts fresh interpreters, which
+    must import ``fn``.
     """
     fork_ok = "fork" in mp.get_all_start_methods()
-    if fork_ok and not torch.cuda.is_initialized():
+    spawn_ok = _importable(fn)
+    if not fork_ok and not spawn_ok:
+        raise LaunchError(NO_FORK.format(platform=sys.platform, name=_name(fn)))
+    if threads > 1:
+        if spawn_ok:
+            return "spawn", f" (spawn: {threads} threads per rank need a fresh process)"
+        raise LaunchError(
+            f"threads={threads}: a forked rank must run one thread, because OpenMP is "
+            "not fork-safe (a multi-threaded op in a forked child hangs once this "
+            "process has run one). Keep threads=1, or write "
+            f"{_name(fn)} to a .py module and import it, so that the ranks can be "
+            "started fresh (spawn).")
+    if not fork_ok:
+        return "spawn", f" (spawn: {sys.platform} cannot fork)"
+    if not torch.cuda.is_initialized():
         return "fork", ""  # the ranks may initialise CUDA themselves: nccl works
-    if fork_ok and backend == "gloo":
+    if backend == "gloo":
         return "fork", (" (CUDA is initialised in this process, so forked ranks must "
                         "stay on the CPU; restart the kernel to use the GPUs)")
-    if _importable(fn):
+    if spawn_ok:
         return "spawn", " (spawn: CUDA is already initialised in this process)"
     raise LaunchError(
         "CUDA is already initialised in this process, and a forked process cannot "
         "use CUDA: restart the kernel and launch before any CUDA call, or move "
-        f"{getattr(fn, '__name__', 'the function')} into a .py module so it can be "
-        "spawned.")
+        f"{_name(fn)} into a .py module so it can be spawned.")
 
 
 def _to_plain(value):
@@ -134,18 +183,98 @@ def _to_plain(value):
     return value
 
 
-def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir):
+# --- dying with the parent ------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+# A watchdog that outlives a killed parent: it reads the ranks' process group ids
+# from a pipe. "done" means the launch ended cleanly; end-of-file without it
+# means the parent died, and every group is killed.
+WATCHDOG = """
+import os, signal, sys
+fd, groups, buf = int(sys.argv[1]), set(), b""
+while chunk := os.read(fd, 4096):
+    buf += chunk
+    *lines, buf = buf.split(b"\\n")
+    groups.update(line for line in lines)
+if b"done" not in groups:
+    for g in groups:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(int(g), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+"""
+
+
+class _Watchdog:
+    """The watchdog process and the pipe that tells it which groups to end."""
+
+    def __init__(self):
+        read, self.fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-S", "-c", WATCHDOG, str(read)], pass_fds=(read,),
+                start_new_session=True,  # an interrupt of this process spares it
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        finally:
+            os.close(read)
+
+    def watch(self, pgid: int) -> None:
+        os.write(self.fd, f"{pgid}\n".encode())
+
+    def close(self) -> None:
+        try:
+            os.write(self.fd, b"done\n")
+        finally:
+            os.close(self.fd)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --- the rank -----------------------------------------------------------------
+
+
+def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir,
+               threads, parent, watchdog_fd):
     """The body of one rank (runs in the child process)."""
+    if watchdog_fd is not None:
+        try:
+            os.close(watchdog_fd)  # only the parent may hold the watchdog's pipe
+        except OSError:
+            pass
+    try:
+        os.setpgid(0, 0)  # a group of its own: its children are ended with it
+    except OSError:
+        pass
+    _die_with_parent(parent)
     out = os.open(f"{workdir}/{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     err = os.open(f"{workdir}/{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)  # file-descriptor level: C++ and subprocess output land here too
     os.dup2(err, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    stacks = open(f"{workdir}/{rank}.stack", "w")  # noqa: SIM115 - open until exit
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads)
     dist = torch.distributed
     result = {"ok": True, "value": None}
     try:
@@ -159,6 +288,10 @@ def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir
                                     device_id=device)
         result["value"] = _to_plain(fn(rank, world_size, *args))
         pickle.dumps(result)  # fail here, in the rank, if it cannot be sent
+    except SystemExit as e:  # sys.exit(0) or sys.exit() is a normal end
+        if e.code not in (0, None):
+            result = {"ok": False, "error": f"it called sys.exit({e.code!r})",
+                      "traceback": ""}
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": f"{type(e).__name__}: {e}".strip(),
                   "traceback": "".join(traceback.format_exception(  # skip this frame
@@ -172,6 +305,9 @@ def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir
     if init and result["ok"] and dist.is_initialized():
         dist.destroy_process_group()
     os._exit(0 if result["ok"] else 1)  # skip exit handlers inherited from the parent
+
+
+# --- stopping -----------------------------------------------------------------
 
 
 def stop_tree(pids: list[int], grace: float = 2.0) -> None:
@@ -204,9 +340,20 @@ def stop_tree(pids: list[int], grace: float = 2.0) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
+def _kill_groups(pgids: list[int]) -> None:
+    """SIGKILL what is left in the ranks' process groups (their own children)."""
+    for g in pgids:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:  # the group is empty already
+            pass
+
+
 def _stop(procs: list) -> None:
     """Stop every live rank and its children, and reap the ranks."""
-    stop_tree([p.pid for p in procs if p.pid is not None])
+    pids = [p.pid for p in procs if p.pid is not None]
+    stop_tree(pids)
+    _kill_groups(pids)  # children of ranks that had already returned
     for p in procs:
         if p.pid is not None:
             p.join(timeout=1)
@@ -221,18 +368,153 @@ def _ranks(ranks) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else "?"
+        oom = " (out of memory? the system kills the biggest process)" if (
+            -code == signal.SIGKILL) else ""
+        return f"it was killed by signal {-code} ({name}){oom} before returning"
+    return f"it exited with code {code} before returning"
+
+
+def _dump_stacks(procs, ranks, workdir: Path) -> dict[int, str]:
+    """Each unfinished rank's Python stack, written by faulthandler on SIGUSR1."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    paths = [workdir / f"{r}.stack" for r in ranks]
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and not all(
+            p.exists() and p.stat().st_size for p in paths):
+        time.sleep(0.05)
+    time.sleep(0.1)  # let faulthandler finish writing
+    return {r: _read(workdir / f"{r}.stack") for r in ranks}
+
+
+FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
+
+
+def _main_thread_stack(dump: str) -> str:
+    """The frames of the thread that runs ``fn``, innermost first, trimmed."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+    main = next((b for b in blocks if "_rank_main" in b), blocks[0] if blocks else "")
+    lines = []
+    for line in main.splitlines()[1:]:
+        m = FRAME.search(line)
+        if not m:
+            continue
+        if m["fn"] == "_rank_main":
+            break  # the launcher's own frames below fn
+        lines.append(f"    {m['fn']} ({Path(m['file']).name}, line {m['line']})")
+    return "\n".join(lines[:12])
+
+
+# --- launching ----------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    results: dict
+    outs: list
+    stacks: dict
+
+
+def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Run:
+    """Start the ranks once, wait for them, stop them; return what they left."""
+    ctx = mp.get_context(method)
+    workdir = Path(tempfile.mkdtemp(prefix="course_dist_"))
+    watchdog = _Watchdog()
+    procs = [ctx.Process(target=_rank_main, name=f"rank{r}",
+                         args=(fn, r, nprocs, tuple(args), backend, port, init,
+                               timeout, str(workdir), threads, os.getpid(),
+                               watchdog.fd if method == "fork" else None))
+             for r in range(nprocs)]
+    results: dict[int, dict] = {}
+    stacks: dict[int, str] = {}
+    terminated = False
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main:  # SIGTERM gets the clean-up of an interrupt (signals need main)
+        def on_term(signum, frame):
+            raise _Terminated
+
+        old_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for p in procs:
+            p.start()
+            try:
+                os.setpgid(p.pid, p.pid)  # also done by the rank: whoever is first
+            except OSError:
+                pass
+            watchdog.watch(p.pid)
+        deadline = time.monotonic() + timeout
+        running = {p.sentinel: r for r, p in enumerate(procs)}
+        failed = False
+        while running and not failed and time.monotonic() < deadline:
+            # short slices: an interrupt delivered to another thread of this
+            # process (Jupyter has several) is noticed within half a second
+            left = deadline - time.monotonic()
+            for s in wait(list(running), timeout=max(0.0, min(0.5, left))):
+                r = running.pop(s)
+                procs[r].join()
+                pkl = workdir / f"{r}.pkl"
+                if pkl.exists():
+                    results[r] = pickle.loads(pkl.read_bytes())
+                elif procs[r].exitcode == 0:  # os._exit(0): a normal end, no value
+                    results[r] = {"ok": True, "value": None}
+                else:
+                    results[r] = {"ok": False, "traceback": "",
+                                  "error": _exit_reason(procs[r].exitcode)}
+                failed = failed or not results[r]["ok"]
+        if running and not failed:
+            stacks = _dump_stacks(procs, sorted(running.values()), workdir)
+    except KeyboardInterrupt:
+        _stop(procs)
+        print(f"interrupted: stopped all {nprocs} ranks")
+        raise
+    except _Terminated:
+        terminated = True
+    finally:
+        _stop(procs)
+        watchdog.close()
+        if on_main:
+            signal.signal(signal.SIGTERM,
+                          signal.SIG_DFL if old_term is None else old_term)
+        outs = [(_read(workdir / f"{r}.out"), _read(workdir / f"{r}.err"))
+                for r in range(nprocs)]
+        shutil.rmtree(workdir, ignore_errors=True)
+    if terminated:  # die of the signal, as whoever sent it meant, now all is clean
+        signal.raise_signal(signal.SIGTERM)
+        raise LaunchError(f"SIGTERM: all {nprocs} ranks were stopped")
+    return _Run(results, outs, stacks)
+
+
+def _port_taken(run: _Run) -> bool:
+    error = run.results.get(0, {}).get("error", "")
+    return "EADDRINUSE" in error or "address already in use" in error.lower()
+
+
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.0,
            backend: str | None = None, init: bool = True, port: int | None = None,
-           echo: bool = True, start_method: str | None = None) -> list[RankResult]:
+           echo: bool = True, start_method: str | None = None,
+           threads: int = 1) -> list[RankResult]:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes; return per rank. Ch. 6.
 
     ``init=False`` leaves ``init_process_group`` to ``fn`` (as a torchrun script
     does, from the environment). ``backend`` and ``start_method`` override the
-    launcher's choices. ``echo`` prints each rank's output, prefixed
-    ``[rank r]``. Raises ``RankFailed`` when a rank raises or dies and
-    ``LaunchTimeout`` when one is still running after ``timeout`` seconds; in
-    both cases, and on KeyboardInterrupt, every rank is stopped first.
+    launcher's choices. ``threads`` is each rank's intra-op thread count: 1 for
+    forked ranks; more makes the ranks spawn (``fn`` must live in a module).
+    ``echo`` prints each rank's output, prefixed ``[rank r]``. Raises
+    ``RankFailed`` when a rank raises or dies and ``LaunchTimeout`` when one is
+    still running after ``timeout`` seconds; in both cases, and on
+    KeyboardInterrupt or SIGTERM, every rank is stopped first.
     """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise LaunchError(f"nprocs must be a whole number of processes, 1 or more: "
+                          f"got {nprocs!r}.")
+    if not isinstance(threads, int) or threads < 1:
+        raise LaunchError(f"threads must be 1 or more: got {threads!r}.")
     note = ""
     if backend is None:
         backend = choose_backend(nprocs)
@@ -244,47 +526,30 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
                           f"{torch.cuda.device_count()} GPUs. Use backend='gloo'.")
     if start_method:
         method, why = start_method, ""
+        if method == "fork" and threads > 1:
+            raise LaunchError("threads > 1 needs start_method='spawn': a forked rank "
+                              "must run one thread (OpenMP is not fork-safe).")
     else:
-        method, why = choose_start_method(fn, backend)
-    if port is None:
+        method, why = choose_start_method(fn, backend, threads)
+    picked = port is None
+    if picked:
         port = free_port()
     elif port_in_use(port):
         raise LaunchError(f"port {port} on 127.0.0.1 is already in use: pass "
                           "port=None to let the launcher pick a free one.")
-    print(f"launching {nprocs} processes: {method}, backend {backend}{note}, "
-          f"rendezvous 127.0.0.1:{port}, timeout {timeout:g} s{why}")
-    ctx = mp.get_context(method)
-    workdir = Path(tempfile.mkdtemp(prefix="course_dist_"))
-    procs = [ctx.Process(target=_rank_main, name=f"rank{r}",
-                         args=(fn, r, nprocs, tuple(args), backend, port, init,
-                               timeout, str(workdir)))
-             for r in range(nprocs)]
-    results: dict[int, dict] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        running = {p.sentinel: r for r, p in enumerate(procs)}
-        failed = False
-        while running and not failed and time.monotonic() < deadline:
-            for s in wait(list(running), timeout=max(0.0, deadline - time.monotonic())):
-                r = running.pop(s)
-                procs[r].join()
-                pkl = workdir / f"{r}.pkl"
-                results[r] = (pickle.loads(pkl.read_bytes()) if pkl.exists() else
-                              {"ok": False, "traceback": "",
-                               "error": f"it exited with code {procs[r].exitcode} "
-                                        "before returning"})
-                failed = failed or not results[r]["ok"]
-    except KeyboardInterrupt:
-        _stop(procs)
-        print(f"interrupted: stopped all {nprocs} ranks")
-        raise
-    finally:
-        _stop(procs)
-        outs = [(_read(workdir / f"{r}.out"), _read(workdir / f"{r}.err"))
-                for r in range(nprocs)]
-        shutil.rmtree(workdir, ignore_errors=True)
+    cores = usable_cores()
+    crowd = (f"; {nprocs * threads} threads on {cores} usable "
+             f"core{'s' if cores > 1 else ''}: they take turns"
+             if nprocs * threads > cores else "")
+    print(f"launching {nprocs} process{'es' if nprocs > 1 else ''}: {method}, "
+          f"backend {backend}{note}, {threads} thread{'s' if threads > 1 else ''} "
+          f"each, rendezvous 127.0.0.1:{port}, timeout {timeout:g} s{why}{crowd}")
+    run = _run(fn, nprocs, args, timeout, backend, init, port, method, threads)
+    if picked and _port_taken(run):  # another program took the port meanwhile
+        port = free_port()
+        print(f"port taken in the meantime: retrying on 127.0.0.1:{port}")
+        run = _run(fn, nprocs, args, timeout, backend, init, port, method, threads)
+    results, outs = run.results, run.outs
     if echo:
         for r, (out, err) in enumerate(outs):
             for line in (out + err).splitlines():
@@ -301,10 +566,18 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
         raise RankFailed(f"rank {r} failed: {bad[r]['error']}{tail}{hint}\n"
                          f"--- traceback of rank {r} ---\n{bad[r]['traceback']}"
                          f"{outs[r][1][-2000:] if not bad[r]['traceback'] else ''}")
-    missing = set(range(nprocs)) - set(results)
+    missing = sorted(set(range(nprocs)) - set(results))
     if missing:
         done = f"; {_ranks(results)} finished" if results else ""
+        where = []
+        for r in missing:
+            stack = _main_thread_stack(run.stacks.get(r, ""))
+            where.append(f"  rank {r} was in (innermost first):\n{stack}" if stack
+                         else f"  rank {r}: no stack (it did not answer in time)")
+        waiting = any("distributed" in run.stacks.get(r, "") for r in missing)
+        why = (" A rank waiting in a collective that another rank never joins "
+               "waits for ever." if waiting else "")
         raise LaunchTimeout(f"{_ranks(missing)} did not finish within {timeout:g} s"
-                            f"{done}; all ranks were stopped (a rank waiting in a "
-                            "collective that another rank never joins hangs).")
+                            f"{done}; all ranks were stopped.{why}\n"
+                            "Where each unfinished rank was:\n" + "\n".join(where))
     return [RankResult(r, results[r]["value"], *outs[r]) for r in range(nprocs)]

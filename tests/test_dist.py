@@ -3,6 +3,7 @@
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -121,14 +122,29 @@ def sleeps(rank, world_size, seconds):
     time.sleep(seconds)
 
 
-def test_keyboard_interrupt_stops_every_rank():
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        launch(sleeps, 2, args=(30,), timeout=30, echo=False, init=False)
-    timer.join()
-    assert time.monotonic() - start < 8
+@pytest.mark.parametrize("directed", ["process", "main thread"])
+def test_keyboard_interrupt_stops_every_rank(directed):
+    # Jupyter interrupts the kernel process with SIGINT; the kernel has several
+    # threads, and a process-directed signal may land on any of them.
+    def interrupt():
+        if directed == "process":
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    # a shell that starts a job in the background ignores SIGINT in it: as in a
+    # notebook kernel, an interrupt must raise KeyboardInterrupt here
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.0, interrupt)
+    try:
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            launch(sleeps, 2, args=(30,), timeout=30, echo=False, init=False)
+        assert time.monotonic() - start < 8
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, old)
 
 
 def test_unpicklable_return_value_is_reported():
@@ -195,3 +211,193 @@ def test_stop_tree_reaches_children_in_their_own_session():
 def test_timeout_also_ends_the_ranks_children():
     with pytest.raises(LaunchTimeout, match="ranks 0, 1 did not finish"):
         launch(hangs_with_a_child, 2, timeout=2, echo=False, init=False)
+
+
+# --- issue: no hang, nothing left behind, clear errors ------------------------
+
+
+def matmul_threads(rank, world_size):
+    a = torch.randn(600, 600)
+    return torch.get_num_threads(), float((a @ a).sum())
+
+
+def test_no_openmp_hang_after_a_threaded_op_in_the_parent(capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        b = torch.randn(1500, 1500)
+        b @ b  # starts OpenMP's thread pool in this process
+        for nprocs in (1, 2):
+            results = launch(matmul_threads, nprocs, timeout=20, echo=False,
+                             init=False)
+            assert [r.value[0] for r in results] == [1] * nprocs
+        assert "1 thread each" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_per_rank_spawn_fresh_interpreters(capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(1500, 1500) @ torch.randn(1500, 1500)
+        results = launch(matmul_threads, 2, timeout=30, echo=False, init=False,
+                         threads=2)
+    finally:
+        torch.set_num_threads(before)
+    assert [r.value[0] for r in results] == [2, 2]
+    out = capsys.readouterr().out
+    assert "spawn" in out and "2 threads each" in out
+
+
+def test_threads_with_a_notebook_function_are_refused_at_once():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="OpenMP is not fork-safe"):
+        launch(lambda rank, ws: None, 2, threads=2)
+    with pytest.raises(LaunchError, match="start_method='spawn'"):
+        launch(matmul_threads, 2, threads=2, start_method="fork")
+    assert time.monotonic() - start < 1
+
+
+@pytest.mark.parametrize("nprocs", [0, -1, 1.5])
+def test_bad_process_counts_are_refused(nprocs):
+    with pytest.raises(LaunchError, match="nprocs"):
+        launch(hello, nprocs)
+
+
+def test_a_platform_without_fork_says_so(monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods",
+                        lambda: ["spawn"])
+    with pytest.raises(LaunchError, match="cannot fork"):
+        launch(lambda rank, ws: None, 2)
+
+
+def exits_zero(rank, world_size):
+    if rank == 0:
+        sys.exit(0)
+    os._exit(0)
+
+
+def exits_nonzero(rank, world_size):
+    sys.exit(4)
+
+
+def test_sys_exit_zero_is_success_and_nonzero_is_not():
+    assert [r.value for r in launch(exits_zero, 2, echo=False, init=False)] == [
+        None, None]
+    with pytest.raises(RankFailed, match=r"sys.exit\(4\)"):
+        launch(exits_nonzero, 1, echo=False, init=False)
+
+
+def killed(rank, world_size):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_rank_is_named_with_its_signal():
+    with pytest.raises(RankFailed, match=r"signal 9 \(SIGKILL\) \(out of memory"):
+        launch(killed, 1, echo=False, init=False)
+
+
+def stuck_in_all_reduce(rank, world_size):
+    if rank == 1:
+        time.sleep(60)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_timeout_shows_where_each_rank_was():
+    with pytest.raises(LaunchTimeout) as info:
+        launch(stuck_in_all_reduce, 2, timeout=3, echo=False)
+    message = str(info.value)
+    assert "ranks 0, 1 did not finish within 3 s" in message
+    assert "stuck_in_all_reduce (test_dist.py" in message  # both ranks' frames
+    assert "all_reduce (distributed_c10d.py" in message  # rank 0 waits in it
+    assert "collective that another rank never joins" in message
+
+
+def test_timeout_without_a_collective_does_not_blame_one():
+    with pytest.raises(LaunchTimeout) as info:
+        launch(hangs_on_rank_1, 2, timeout=2, echo=False, init=False)
+    assert "collective" not in str(info.value)
+    assert "hangs_on_rank_1 (test_dist.py" in str(info.value)
+
+
+def starts_a_child_and_returns(rank, world_size, pidfile):
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    with open(pidfile, "a") as f:
+        f.write(f"{child.pid}\n")
+    return child.pid
+
+
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_ranks_children_end_with_it_after_a_normal_return(tmp_path):
+    results = launch(starts_a_child_and_returns, 2, args=(tmp_path / "pids",),
+                     echo=False, init=False)
+    for r in results:
+        assert gone(r.value), f"rank {r.rank}'s child {r.value} outlived launch"
+
+
+def test_an_auto_picked_port_taken_meanwhile_is_retried(monkeypatch, capsys):
+    from course_utils import dist as d
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = iter([busy.getsockname()[1]])
+        real = d.free_port
+        monkeypatch.setattr(d, "free_port", lambda: next(ports, None) or real())
+        assert launch(summed, 2, echo=False, timeout=20)[0].value[0] == 3.0
+    assert "retrying" in capsys.readouterr().out
+
+
+PARENT = """
+import sys, time
+from course_utils.dist import launch
+
+def rank_fn(rank, world_size, pidfile):
+    import os, subprocess
+    child = subprocess.Popen(["sleep", "300"])
+    with open(pidfile, "a") as f:
+        f.write(f"{os.getpid()} {child.pid}\\n")
+    time.sleep(300)
+
+if __name__ == "__main__":
+    launch(rank_fn, 2, args=(sys.argv[1],), timeout=300, init=False)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_ranks_die_with_their_parent(tmp_path, sig):
+    import subprocess
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    pidfile = tmp_path / "pids"
+    parent = subprocess.Popen([sys.executable, str(script), str(pidfile)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (
+                not pidfile.exists() or len(pidfile.read_text().split()) < 4):
+            time.sleep(0.1)
+        pids = [int(p) for p in pidfile.read_text().split()]
+        assert len(pids) == 4, "the ranks did not start"
+        parent.send_signal(sig)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not all(map(gone, pids)):
+            time.sleep(0.1)
+        assert all(map(gone, pids)), [p for p in pids if not gone(p)]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
