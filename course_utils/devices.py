@@ -7,9 +7,10 @@ the CPU, or shows a reference result recorded elsewhere.
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 import platform
-import subprocess
 import sys
 
 import torch
@@ -86,12 +87,43 @@ def _cpuinfo() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (the affinity mask, not the whole host)."""
+def cpu_quota() -> float | None:
+    """Cores' worth of CPU time the cgroup allows this process, if it is capped.
+
+    Containers and job schedulers often cap CPU time (``docker --cpus=2``,
+    Kubernetes limits) without hiding the host's cores. cgroup v2 writes the
+    cap as ``quota period`` in ``cpu.max``; v1 in two files. None: no cap.
+    """
     try:
-        return len(os.sched_getaffinity(0))
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", encoding="ascii") as f:
+            quota = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us", encoding="ascii") as f:
+            period = int(f.read())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores() -> int:
+    """Cores this process may really use: affinity mask and cgroup quota. Ch. 0.
+
+    ``os.cpu_count()`` counts the host's cores, also those a container or a
+    scheduler keeps from us; thread and process counts are taken from this.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS and Windows have no affinity mask
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return cores
 
 
 def usable_physical_cores() -> int:
@@ -183,11 +215,15 @@ def pycuda_facts() -> list[dict] | str:
         devices = []
         for i in range(cuda.Device.count()):
             dev = cuda.Device(i)
-            ctx = dev.make_context()  # mem_get_info reports the current context's GPU
+            # the primary context is the one the runtime (and torch) uses: reuse
+            # it instead of creating a second context on the GPU, and let it go
+            ctx = dev.retain_primary_context()
+            ctx.push()  # mem_get_info reports the current context's GPU
             try:
                 free, total = cuda.mem_get_info()
             finally:
                 ctx.pop()
+                ctx.detach()
             attributes = {
                 str(k).split(".")[-1]: v for k, v in dev.get_attributes().items()
             }
@@ -205,6 +241,9 @@ def pycuda_facts() -> list[dict] | str:
         return f"pycuda is installed but the CUDA driver says: {e}"
 
 
+KERNEL_NOTE = ""  # why kernels run on the simulator although there is a GPU
+
+
 def kernel_target() -> str:
     """Where numba's ``@cuda.jit`` kernels run: ``'GPU'`` or ``'simulator'``.
 
@@ -213,17 +252,34 @@ def kernel_target() -> str:
     return "simulator" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "GPU"
 
 
-def select_kernel_target() -> None:
-    """Run numba CUDA kernels on the simulator when torch sees no GPU. Chapter 1.
+def numba_cuda_installed() -> bool:
+    """Whether numba's CUDA target package (``numba-cuda``) is installed. Ch. 1.
 
-    numba reads NUMBA_ENABLE_CUDASIM once, when it is first imported, so this
-    runs when course_utils is imported. A choice already in the environment wins.
+    Checked without importing it, so that no CUDA context is made here.
     """
+    import importlib.util
+
+    return importlib.util.find_spec("numba_cuda") is not None
+
+
+def select_kernel_target() -> None:
+    """Run numba CUDA kernels on the simulator unless the GPU target can work. Ch. 1.
+
+    The GPU target needs a GPU and the optional ``numba-cuda`` package
+    (requirements-gpu.txt); without either, kernels run on numba's simulator
+    and ``banner()`` says why. numba reads NUMBA_ENABLE_CUDASIM once, when it
+    is first imported, so this runs when course_utils is imported. A choice
+    already in the environment wins.
+    """
+    global KERNEL_NOTE
     if "NUMBA_ENABLE_CUDASIM" in os.environ:
         return
     if "numba" in sys.modules:
         return  # too late to choose; numba has already decided
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if torch.cuda.is_available() else "1"
+    gpu = torch.cuda.is_available()
+    if gpu and not numba_cuda_installed():
+        KERNEL_NOTE = " (numba-cuda is not installed: see requirements-gpu.txt)"
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if gpu and not KERNEL_NOTE else "1"
 
 
 def check_fits(
@@ -248,6 +304,8 @@ def check_fits(
     need = numel * itemsize * copies
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        # blocks PyTorch's allocator holds but no tensor uses are free to reuse
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         where = f"{torch.cuda.get_device_name(device)} has {format_bytes(free)} free"
     else:
         import psutil
@@ -264,26 +322,54 @@ def check_fits(
     return need
 
 
+def _nvml_names() -> list[str]:
+    """GPU names from NVML (the library nvidia-smi uses), without touching CUDA."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    if nvml.nvmlInit_v2() != 0:
+        return []
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return []
+        names = []
+        for i in range(count.value):
+            handle, buf = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetName(handle, buf, 96) != 0):
+                return []
+            names.append(buf.value.decode(errors="replace"))
+        return names
+    finally:
+        nvml.nvmlShutdown()
+
+
 def gpu_names() -> list[str]:
-    """Names of the GPUs, read without initialising CUDA where possible. Chapter 0.
+    """Names of the GPUs, read without initialising CUDA. Chapter 0.
 
     Once CUDA is initialised in a process, forked children cannot use it, so
-    a notebook that launches worker processes should not initialise it just
-    to print a banner: ``nvidia-smi`` answers from outside the process.
+    a notebook that launches worker processes must not initialise it just to
+    print a banner: NVML answers from outside CUDA (``CUDA_VISIBLE_DEVICES``
+    is honoured when it lists indices). Where CUDA is initialised already,
+    torch is asked directly.
     """
     n = gpu_count()
-    if n and not torch.cuda.is_initialized():
+    if not n:
+        return []
+    if torch.cuda.is_initialized():
+        return [torch.cuda.get_device_name(i) for i in range(n)]
+    names = _nvml_names()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and names:
         try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=True,
-            ).stdout.split("\n")
-            names = [line.strip() for line in out if line.strip()]
-            if len(names) >= n:
-                return names[:n]
-        except (OSError, subprocess.SubprocessError):
+            names = [names[int(v)] for v in visible.split(",") if v.strip()]
+        except (ValueError, IndexError):  # UUIDs or MIG names: keep NVML's order
             pass
-    return [torch.cuda.get_device_name(i) for i in range(n)]
+    if len(names) >= n:
+        return names[:n]
+    return [f"GPU {i} (name unknown: NVML did not answer)" for i in range(n)]
 
 
 def banner() -> str:
@@ -294,17 +380,16 @@ def banner() -> str:
     n = gpu_count()
     if n == 0:
         ref = reference.recorded_devices()
-        shown = (
-            f"GPU cells show reference results recorded on {', '.join(ref)}"
-            if ref
-            else "no GPU reference results recorded yet"
-        )
+        shown = "GPU cells show published and predicted GPU figures" + (
+            f", and results recorded on {', '.join(ref)}" if ref else "")
         line = f"CPU only ({cpu}) - {shown}; CUDA kernels run on numba's simulator"
     else:
         names = sorted(set(gpu_names()))
+        kernels = ("; CUDA kernels run on numba's simulator" + KERNEL_NOTE
+                   if kernel_target() == "simulator" else "")
         line = (
             f"{n} GPU{'s' if n > 1 else ''} ({', '.join(names)}) + CPU ({cpu})"
-            f" - GPU cells run for real"
+            f" - GPU cells run for real{kernels}"
             + (
                 "; multi-device cells pair the GPU with CPU processes"
                 if n == 1

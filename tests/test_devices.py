@@ -94,7 +94,10 @@ def test_banner_says_which_situation(capsys):
 
 def test_kernel_target_follows_torch():
     # importing course_utils chose the numba target before numba was imported
-    expected = "GPU" if torch.cuda.is_available() else "simulator"
+    from course_utils.devices import numba_cuda_installed
+
+    gpu = torch.cuda.is_available() and numba_cuda_installed()
+    expected = "GPU" if gpu else "simulator"
     if os.environ.get("NUMBA_ENABLE_CUDASIM") in ("0", "1"):
         assert kernel_target() == expected
 
@@ -103,3 +106,43 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 * 2**30) == "3.0 GiB"
+
+
+def test_usable_cores_honours_a_cgroup_quota(monkeypatch):
+    from course_utils import devices
+
+    monkeypatch.setattr(devices, "cpu_quota", lambda: 1.5)
+    assert devices.usable_cores() == min(2, len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(devices, "cpu_quota", lambda: 0.5)
+    assert devices.usable_cores() == 1
+    monkeypatch.setattr(devices, "cpu_quota", lambda: None)
+    assert devices.usable_cores() == len(os.sched_getaffinity(0))
+
+
+def test_gpu_names_never_initialise_cuda(monkeypatch):
+    from course_utils import devices
+
+    def initialises(*args):
+        raise AssertionError("gpu_names initialised CUDA")
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", initialises)
+    monkeypatch.setattr(devices, "_nvml_names", lambda: ["A", "B", "C"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert devices.gpu_names() == ["C", "A"]
+    monkeypatch.setattr(devices, "_nvml_names", lambda: [])
+    assert all("name unknown" in n for n in devices.gpu_names())
+
+
+def test_kernels_fall_back_to_the_simulator_without_numba_cuda(monkeypatch):
+    from course_utils import devices
+
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    monkeypatch.setattr(devices, "KERNEL_NOTE", "")
+    monkeypatch.delitem(__import__("sys").modules, "numba", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices, "numba_cuda_installed", lambda: False)
+    devices.select_kernel_target()
+    assert os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+    assert "numba-cuda is not installed" in devices.KERNEL_NOTE
