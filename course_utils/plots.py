@@ -135,3 +135,75 @@ def plot_timeline(
     if title:
         ax.set_title(title)
     return ax
+
+
+# --- GPU figures of each kind (course_utils.reference) ---------------------------
+
+# One look per kind, so that a plot never mixes them up: what ran here is solid
+# with circles, a recording solid with squares, a publication dotted with
+# diamonds, a prediction dashed with no markers (it is a model, not a point).
+FIGURE_STYLE = {
+    "measured": {"marker": "o", "linestyle": "-", "hatch": ""},
+    "recorded": {"marker": "s", "linestyle": "-", "hatch": ".."},
+    "published": {"marker": "D", "linestyle": ":", "hatch": "//"},
+    "predicted": {"marker": "", "linestyle": "--", "hatch": "xx"},
+}
+
+
+def figure_style(kind: str) -> dict:
+    """Line style for a figure's kind: ``ax.plot(x, y, **figure_style(k))``. Ch. 0."""
+    style = FIGURE_STYLE[kind]
+    return {"marker": style["marker"], "linestyle": style["linestyle"]}
+
+
+def plot_figure_bars(figures, title: str = "", ylabel: str = "", ax=None,
+                     logy: bool = True, fmt: str = "{:.3g}"):
+    """One bar per scalar ``reference.Figure``, hatched and labelled by kind. Ch. 0.
+
+    For comparing one number across devices and kinds: a CPU measured here
+    beside a GPU's published, predicted and recorded figures.
+    """
+    figures = [f for f in figures if isinstance(f.value, (int, float))]
+    ax = _axes(ax, figsize=(max(4.0, 1.6 * len(figures) + 1.5), 3.6))
+    colors = plt.cm.tab10.colors
+    for i, f in enumerate(figures):
+        bar = ax.bar(i, f.value, color=colors[i % 10], edgecolor="black",
+                     hatch=FIGURE_STYLE[f.kind]["hatch"], label=f.legend)
+        ax.annotate(fmt.format(f.value), (i, f.value), ha="center", va="bottom",
+                    fontsize=8)
+        bar[0].set_alpha(0.85)
+    ax.set_xticks(range(len(figures)),
+                  [f"{f.device}\n({f.kind})" for f in figures], fontsize=7)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel or (figures[0].unit if figures else ""))
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=7, loc="best")
+    return ax
+
+
+def plot_figure_curves(figures, xlabel: str = "", ylabel: str = "", title: str = "",
+                       ax=None, logx: bool = True, logy: bool = True,
+                       yscale: float = 1.0):
+    """Curves ``{"x": [...], "y": [...]}`` from ``reference.Figure`` objects. Ch. 0.
+
+    Each curve is styled by its kind (``FIGURE_STYLE``) and its legend entry
+    names the device and the kind; ``yscale`` multiplies the y values.
+    """
+    ax = _axes(ax)
+    for f in figures:
+        v = f.value
+        if not (isinstance(v, dict) and "x" in v and "y" in v):
+            raise ValueError(f"{f.label}: a curve needs a value with 'x' and 'y'")
+        ax.plot(v["x"], [y * yscale for y in v["y"]], ms=4, label=f.legend,
+                **figure_style(f.kind))
+    ax.set_xscale("log" if logx else "linear")
+    ax.set_yscale("log" if logy else "linear")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return ax
