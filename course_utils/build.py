@@ -113,6 +113,7 @@ def lint(nb, chapter: int, name: str) -> list[tuple[str, int, int]]:
 
 
 def marker_cell(source_name: str):
+    """The last cell: where this notebook comes from (for instructors)."""
     text = (
         f"<small>Generated from `source/{source_name}` by "
         "`python -m course_utils.build`. Learners: work here; regenerating "
@@ -122,6 +123,33 @@ def marker_cell(source_name: str):
     return nbformat.v4.new_markdown_cell(
         text, id="generated", metadata={"tags": ["generated"]}
     )
+
+
+RUN_ALL_NOTE = (
+    "**Run All stops at the first check below.** Each exercise is followed by a "
+    "check cell, which fails until the exercise is solved, and *Run All* stops at "
+    "the first failing cell: everything above has run. Solve an exercise, then run "
+    "its cell and its check (Shift+Enter). To run the rest without solving, select "
+    "the next cell and use *Run > Run Selected Cell and All Below*."
+)
+
+
+def run_all_note():
+    """The note placed before the exercises: where Run All stops, and why."""
+    return nbformat.v4.new_markdown_cell(
+        RUN_ALL_NOTE, id="run-all-note", metadata={"tags": ["generated"]}
+    )
+
+
+def _exercises_start(cells, first_exercise: int) -> int:
+    """Index of the cell before which the Run All note goes."""
+    for i in range(first_exercise - 1, -1, -1):
+        cell = cells[i]
+        if cell.cell_type == "markdown" and re.match(
+            r"#+\s*(\d+\.\s*)?Exercises", cell.source.strip()
+        ):
+            return i + 1  # right under the Exercises heading
+    return first_exercise
 
 
 def generate(source: Path, solutions: bool = False) -> str:
@@ -139,8 +167,8 @@ def generate(source: Path, solutions: bool = False) -> str:
                 "with '#!' (jupytext reads '# #!' as an escaped shell command)"
             )
     nb = jupytext.read(source, fmt="py:percent")
-    lint(nb, chapter, source.name)
-    cells = [marker_cell(source.name)]
+    exercises = lint(nb, chapter, source.name)
+    cells = []
     for i, cell in enumerate(nb.cells):
         meta = {k: v for k, v in cell.metadata.items() if k in ("tags", "exercise")}
         src = cell.source
@@ -152,11 +180,16 @@ def generate(source: Path, solutions: bool = False) -> str:
             cells.append(nbformat.v4.new_markdown_cell(src, id=cid, metadata=meta))
         else:
             cells.append(nbformat.v4.new_code_cell(src, id=cid, metadata=meta))
+    if exercises:
+        cells.insert(_exercises_start(cells, exercises[0][1]), run_all_note())
+    cells.append(marker_cell(source.name))
     out = nbformat.v4.new_notebook(
         cells=cells,
         metadata={
             "kernelspec": {
-                "display_name": "Python 3",
+                # what JupyterLab's default kernel calls itself: anything else
+                # is rewritten on opening, and the notebook looks edited
+                "display_name": "Python 3 (ipykernel)",
                 "language": "python",
                 "name": "python3",
             },

@@ -56,7 +56,14 @@ def test_notebook_is_clean_and_marked(course):
     _, nbs, _ = course
     nb = json.loads((nbs / "07_demo.ipynb").read_text())
     assert nb["metadata"]["course"]["generated_from"] == "source/07_demo.py"
-    assert "Generated from `source/07_demo.py`" in "".join(nb["cells"][0]["source"])
+    # the instructors' note is last, out of the learner's way; the Run All note
+    # sits just before the first exercise
+    assert "Generated from `source/07_demo.py`" in "".join(nb["cells"][-1]["source"])
+    assert "".join(nb["cells"][0]["source"]).startswith("# A chapter")
+    tags = [c["metadata"].get("tags", []) for c in nb["cells"]]
+    first = next(i for i, t in enumerate(tags) if "exercise" in t)
+    assert "Run All stops" in "".join(nb["cells"][first - 1]["source"])
+    assert nb["metadata"]["kernelspec"]["display_name"] == "Python 3 (ipykernel)"
     for c in nb["cells"]:
         assert not c.get("outputs") and c.get("execution_count") is None
 
@@ -163,4 +170,4 @@ def test_shebang_in_markdown_is_kept_or_refused(tmp_path):
         build.generate(src / "07_demo.py")
     (src / "07_demo.py").write_text(body.format("# # #!/bin/bash"))
     nb = json.loads(build.generate(src / "07_demo.py"))
-    assert "#!/bin/bash\necho hi" in "".join(nb["cells"][1]["source"])
+    assert "#!/bin/bash\necho hi" in "".join(nb["cells"][0]["source"])
