@@ -203,3 +203,29 @@ def check_close(
     if not abs(value - float(expected)) <= atol + rtol * abs(float(expected)):
         fail(exercise, f"{what} = {float(expected):.6g}", f"{value:.6g}", hint)
     return seen
+
+
+def is_placeholder(fn) -> bool:
+    """True when ``fn`` is still the exercise's stub (``raise NotImplementedError``).
+
+    Looks at the function's code, not by calling it: an expensive checker (one
+    that starts processes, say) can say "not solved yet" at once.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    consts = [c for c in code.co_consts if isinstance(c, str)]
+    return "NotImplementedError" in code.co_names and any(
+        c.startswith("Exercise ") for c in consts
+    )
+
+
+def require_solution(exercise: str, fn) -> None:
+    """Fail at once, kindly, when ``fn`` is missing or still the stub."""
+    if not callable(fn):
+        fail(exercise, "a function", f"{type(fn).__name__} {fn!r:.60}",
+             "run the exercise cell that defines it first")
+    if is_placeholder(fn):
+        fail(exercise, "your solution in the exercise cell",
+             "the placeholder `raise NotImplementedError`",
+             "replace that line with your code and run the exercise cell again")

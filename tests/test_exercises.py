@@ -78,3 +78,25 @@ def test_shape_dtype_device_checks():
     with pytest.raises(ExerciseFailed, match="meta"):
         check_device("9.1", t, "meta")
     check_device("9.1", torch.nn.Linear(2, 2), "cpu")
+
+
+def test_placeholder_is_recognised_without_calling_it():
+    from course_utils.exercises import is_placeholder, require_solution
+
+    def stub(x):
+        raise NotImplementedError("Exercise 4.1")
+
+    def solved(x):
+        return x + 1
+
+    def raises_other(x):
+        raise NotImplementedError("not on this backend")
+
+    assert is_placeholder(stub)
+    assert not is_placeholder(solved) and not is_placeholder(raises_other)
+    assert not is_placeholder(print)
+    with pytest.raises(ExerciseFailed, match="placeholder"):
+        require_solution("4.1", stub)
+    with pytest.raises(ExerciseFailed, match="a function"):
+        require_solution("4.1", None)
+    require_solution("4.1", solved)
