@@ -1,14 +1,14 @@
 # The course's two commands:
 #   make lab    set up (once) and open JupyterLab on the notebooks
 #   make test   set up (once) and run the whole test suite
-# Helpers: make notebooks | make grade | make record | make lint | make clean
+# Helpers: make notebooks | make grade | make record | make gpu-check | make lint | make clean
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lab test notebooks grade record lint clean
+.PHONY: setup lab test notebooks grade record gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -48,8 +48,11 @@ grade: setup
 # On a GPU machine: run every chapter (with its solutions) with recording on;
 # the results land in course_utils/reference_data/ (commit them).
 record: setup
-	$(PY) -m course_utils.build --solutions build/solutions
-	COURSE_RECORD=1 $(PY) -m pytest --nbval build/solutions/
+	$(PY) -m course_utils.gpu_check --record
+
+# On any GPU machine: does every chapter's GPU path run? Records nothing.
+gpu-check: setup
+	$(PY) -m course_utils.gpu_check
 
 lint: setup
 	$(VENV)/bin/ruff check course_utils tests source

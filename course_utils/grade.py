@@ -38,6 +38,7 @@ class CellOutcome:
     exercise: str | None
     message: str
     source: str
+    seconds: float = 0.0  # how long the cell ran
 
 
 # --- pytest plugin: loaded into the nbval run with -p course_utils.grade --------
@@ -65,6 +66,7 @@ def _record(item, report, excinfo) -> None:
         "exercise": meta.get("exercise"),
         "source": cell.source,
         "message": _message(excinfo) if report.failed and excinfo else "",
+        "seconds": round(float(getattr(report, "duration", 0.0)), 3),
     }
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
