@@ -51,6 +51,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -581,3 +582,49 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
                             f"{done}; all ranks were stopped.{why}\n"
                             "Where each unfinished rank was:\n" + "\n".join(where))
     return [RankResult(r, results[r]["value"], *outs[r]) for r in range(nprocs)]
+
+
+# --- worker pools (Chapter 4) -------------------------------------------------------
+
+
+def pool_initializer(parent: int, threads: int = 1) -> None:
+    """Run first in each pool worker: ``threads`` torch threads, die with the parent.
+
+    Pass it as ``Pool(initializer=pool_initializer, initargs=(os.getpid(),))``
+    to a forked pool: one thread keeps a forked worker clear of the OpenMP hang,
+    and a parent-death signal ends the worker if the notebook's kernel dies.
+    """
+    torch.set_num_threads(threads)
+    _die_with_parent(parent)
+
+
+@contextmanager
+def pool(processes: int, method: str = "fork"):
+    """A ``multiprocessing.Pool`` safe to use from a notebook; always torn down.
+
+    Workers are forked (functions defined in the notebook work) and run one
+    torch thread each (see ``pool_initializer``). Leaving the ``with`` block
+    terminates and joins the workers, whatever happened inside. Wait with a
+    timeout, never without: ``p.map_async(f, xs).get(timeout=60)``.
+
+        with dist.pool(2) as p:
+            squares = p.map_async(square, range(10)).get(timeout=60)
+    """
+    if processes < 1:
+        raise LaunchError(f"processes must be at least 1, not {processes}")
+    if method not in mp.get_all_start_methods():
+        raise LaunchError(NO_FORK.format(platform=sys.platform, name="the worker"))
+    workers = mp.get_context(method).Pool(
+        processes, initializer=pool_initializer, initargs=(os.getpid(),))
+    try:
+        yield workers
+    finally:
+        workers.terminate()
+        workers.join()
+
+
+def pool_map(fn: Callable, items, processes: int, timeout: float = 60.0,
+             chunksize: int | None = None) -> list:
+    """``[fn(x) for x in items]`` on a fresh ``pool``; ``TimeoutError`` after ``timeout`` s."""
+    with pool(processes) as p:
+        return p.map_async(fn, items, chunksize).get(timeout)

@@ -4,6 +4,7 @@ import os
 import signal
 import socket
 import sys
+import multiprocessing as mp
 import threading
 import time
 
@@ -19,6 +20,8 @@ from course_utils.dist import (
     choose_backend,
     free_port,
     launch,
+    pool,
+    pool_map,
 )
 
 
@@ -401,3 +404,33 @@ def test_ranks_die_with_their_parent(tmp_path, sig):
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def _square_after_matmul(x):
+    a = torch.ones(300, 300)
+    return (a @ a)[0, 0].item() * 0 + x * x, torch.get_num_threads()
+
+
+def test_pool_workers_run_one_thread_and_do_not_hang_after_a_parent_matmul():
+    torch.set_num_threads(2)
+    b = torch.ones(1500, 1500)
+    _ = b @ b  # the parent has run a multi-threaded op: OpenMP's state is forked
+    out = pool_map(_square_after_matmul, range(5), processes=2, timeout=30)
+    assert [v for v, _ in out] == [0, 1, 4, 9, 16]
+    assert {t for _, t in out} == {1}
+
+
+def _sleep_forever(_):
+    time.sleep(300)
+
+
+def test_pool_times_out_and_leaves_no_worker():
+    start = time.monotonic()
+    with pytest.raises(mp.TimeoutError):
+        pool_map(_sleep_forever, [1, 2], processes=2, timeout=1)
+    assert time.monotonic() - start < 10
+    time.sleep(0.5)
+    assert not mp.active_children()
+    with pytest.raises(LaunchError, match="at least 1"):
+        with pool(0):
+            pass
