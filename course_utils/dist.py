@@ -137,7 +137,8 @@ NO_FORK = (
 )
 
 
-def choose_start_method(fn: Callable, backend: str, threads: int = 1) -> tuple[str, str]:
+def choose_start_method(fn: Callable, backend: str,
+                        threads: int = 1) -> tuple[str, str]:
     """``(method, why)``: fork when safe, spawn for module functions (Chapter 6).
 
     Fork is refused when CUDA is initialised here and the ranks need it (a forked
@@ -625,6 +626,6 @@ def pool(processes: int, method: str = "fork"):
 
 def pool_map(fn: Callable, items, processes: int, timeout: float = 60.0,
              chunksize: int | None = None) -> list:
-    """``[fn(x) for x in items]`` on a fresh ``pool``; ``TimeoutError`` after ``timeout`` s."""
+    """``[fn(x) for x in items]`` in a fresh ``pool``, or TimeoutError."""
     with pool(processes) as p:
         return p.map_async(fn, items, chunksize).get(timeout)

@@ -39,7 +39,7 @@ def describe_hardware() -> str:
 
 
 def check(sources: list[Path], timeout: int, slowest: int = 3) -> tuple[str, bool]:
-    """Run each chapter's solution notebook; return the report and whether all passed."""
+    """Run each chapter's solutions; return the report and whether all passed."""
     lines, all_ok = [], True
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for nb in build.write_solutions(Path(tmp), only=sources):
@@ -62,7 +62,8 @@ def check(sources: list[Path], timeout: int, slowest: int = 3) -> tuple[str, boo
                 lines.append(f"    cell {c.cell} {c.outcome}: {last[:160]}")
             for c in sorted(cells, key=lambda c: -c.seconds)[:slowest]:
                 first = (c.source.strip().splitlines() or [""])[0]
-                lines.append(f"    slow: cell {c.cell} {c.seconds:5.1f} s  {first[:70]}")
+                lines.append(
+                    f"    slow: cell {c.cell} {c.seconds:5.1f} s  {first[:70]}")
     return "\n".join(lines), all_ok
 
 

@@ -51,12 +51,12 @@ def _entry(key: str) -> dict:
 
 
 def gpu_name(gpu: str) -> str:
-    """The full name a subject's published figures give, e.g. 'NVIDIA H100 SXM5 80GB'."""
+    """The GPU's full name in its published figures: 'NVIDIA H100 SXM5 80GB'."""
     return _entry(f"{gpu}.memory_bandwidth_gbps")["gpu"]
 
 
 def peak_key(gpu: str, math: str = "fp32") -> str:
-    """The published id of ``gpu``'s peak for ``math`` (fp32, tf32, bf16, fp16, fp64)."""
+    """The published id of ``gpu``'s peak for ``math`` (fp32, tf32, bf16, ...)."""
     if math not in _PEAK_KEYS:
         raise ValueError(f"math must be one of {sorted(_PEAK_KEYS)}, not {math!r}")
     entries = reference.published_entries()

@@ -1,10 +1,10 @@
 """The notebook launcher (course_utils.dist, Chapter 6), with real processes."""
 
+import multiprocessing as mp
 import os
 import signal
 import socket
 import sys
-import multiprocessing as mp
 import threading
 import time
 
