@@ -1,14 +1,14 @@
 # The course's two commands:
 #   make lab    set up (once) and open JupyterLab on the notebooks
 #   make test   set up (once) and run the whole test suite
-# Helpers: make notebooks | make grade | make record | make gpu-check | make lint | make clean
+# Helpers: make notebooks | make images | make grade | make record | make gpu-check | make lint | make clean
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lab test notebooks grade record gpu-check lint clean
+.PHONY: setup lab test notebooks images grade record gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -33,13 +33,19 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 # often run as root, so say it for them. The token login stays on.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
+# Opens on the start page, with notebooks/ as the file browser's root.
 lab: setup
-	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/
+	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/START_HERE.ipynb
 
 test: setup
 	$(PY) -m pytest
 
 notebooks: setup
+	$(PY) -m course_utils.build
+
+# The diagrams in images/, drawn from code (course_utils/images.py).
+images: setup
+	$(PY) -m course_utils.images
 	$(PY) -m course_utils.build
 
 grade: setup

@@ -19,6 +19,7 @@ without ``--force``; with it, the old notebook is first copied to
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as _dt
 import hashlib
 import re
@@ -33,6 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE_DIR = ROOT / "source"
 NOTEBOOK_DIR = ROOT / "notebooks"
 BACKUP_DIR = ROOT / "notebook_backups"
+START_SOURCE = "START_HERE.md"  # the course map, in source/
+START_NOTEBOOK = "START_HERE.ipynb"  # what `make lab` opens
+IMAGE_RE = re.compile(r"!\[([^\]]*)\]\(\.\./images/([A-Za-z0-9_.-]+\.png)\)")
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CHAPTER_RE = re.compile(r"^(\d\d)_[a-z0-9_]+\.py$")
 
@@ -205,6 +209,45 @@ def generate(source: Path, solutions: bool = False) -> str:
     return nbformat.writes(out) + "\n"
 
 
+def generate_start(source: Path, images: Path | None = None) -> str:
+    """The start page notebook from ``source/START_HERE.md``.
+
+    One markdown cell per ``## `` section. Images written as
+    ``![alt](../images/name.png)`` are embedded as cell attachments, so they
+    show although JupyterLab serves only ``notebooks/``.
+    """
+    images = images or source.resolve().parent.parent / "images"
+    text = source.read_text(encoding="utf-8")
+    parts = re.split(r"\n(?=## )", text.strip())
+    cells = []
+    for i, part in enumerate(parts):
+        attachments = {}
+
+        def attach(m, attachments=attachments):
+            data = (images / m.group(2)).read_bytes()
+            attachments[m.group(2)] = {
+                "image/png": base64.b64encode(data).decode("ascii")}
+            return f"![{m.group(1)}](attachment:{m.group(2)})"
+
+        body = IMAGE_RE.sub(attach, part)
+        cell = nbformat.v4.new_markdown_cell(body, id=f"start-{i:02d}")
+        if attachments:
+            cell.attachments = attachments
+        cells.append(cell)
+    out = nbformat.v4.new_notebook(
+        cells=cells,
+        metadata={
+            "kernelspec": {"display_name": "Python 3 (ipykernel)",
+                           "language": "python", "name": "python3"},
+            "language_info": {"name": "python"},
+            "course": {"generated_from": f"source/{source.name}"},
+        },
+    )
+    out.nbformat_minor = 5
+    nbformat.validate(out)
+    return nbformat.writes(out) + "\n"
+
+
 def learner_edits(path: Path) -> list[str]:
     """Exercise ids whose cell in the notebook at ``path`` differs from its stub."""
     try:
@@ -259,6 +302,13 @@ def build(
         target.write_text(text, encoding="utf-8")
         print(f"wrote {target}")
         result["written"].append(target)
+    start = source_dir / START_SOURCE
+    if only is None and start.exists():
+        text, target = generate_start(start), notebook_dir / START_NOTEBOOK
+        if not target.exists() or target.read_text(encoding="utf-8") != text:
+            target.write_text(text, encoding="utf-8")
+            print(f"wrote {target}")
+            result["written"].append(target)
     return result
 
 
@@ -289,6 +339,14 @@ def check(
             problems.append(f"{target}: missing (generate it from {source})")
         elif target.read_text(encoding="utf-8") != generate(source):
             problems.append(f"{target}: differs from what {source} generates")
+    start = source_dir / START_SOURCE
+    if start.exists():
+        target = notebook_dir / START_NOTEBOOK
+        expected[target.name] = start
+        if not target.exists():
+            problems.append(f"{target}: missing (generate it from {start})")
+        elif target.read_text(encoding="utf-8") != generate_start(start):
+            problems.append(f"{target}: differs from what {start} generates")
     for nb in sorted(notebook_dir.glob("*.ipynb")):
         if nb.name not in expected:
             problems.append(f"{nb}: has no source in {source_dir}")
