@@ -35,6 +35,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # Opens on the start page, with notebooks/ as the file browser's root.
 lab: setup
+	@$(PY) -m course_utils.build > /dev/null  # stamps this Python's version
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/START_HERE.ipynb
 
 test: setup

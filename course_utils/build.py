@@ -22,6 +22,8 @@ import argparse
 import base64
 import datetime as _dt
 import hashlib
+import json
+import platform
 import re
 import shutil
 import sys
@@ -197,7 +199,7 @@ def generate(source: Path, solutions: bool = False) -> str:
                 "language": "python",
                 "name": "python3",
             },
-            "language_info": {"name": "python"},
+            "language_info": language_info(),
             "course": {
                 "generated_from": f"source/{source.name}",
                 "solutions": solutions,
@@ -207,6 +209,24 @@ def generate(source: Path, solutions: bool = False) -> str:
     out.nbformat_minor = 5
     nbformat.validate(out)
     return nbformat.writes(out) + "\n"
+
+
+def language_info() -> dict:
+    """What the kernel reports about its language, as JupyterLab stores it.
+
+    JupyterLab writes the kernel's ``language_info`` into a notebook it opens;
+    anything else here, and every notebook would open with unsaved changes.
+    The Python version is this interpreter's: the one the course's kernel runs.
+    """
+    return {
+        "codemirror_mode": {"name": "ipython", "version": 3},
+        "file_extension": ".py",
+        "mimetype": "text/x-python",
+        "name": "python",
+        "nbconvert_exporter": "python",
+        "pygments_lexer": "ipython3",
+        "version": platform.python_version(),
+    }
 
 
 def generate_start(source: Path, images: Path | None = None) -> str:
@@ -239,7 +259,7 @@ def generate_start(source: Path, images: Path | None = None) -> str:
         metadata={
             "kernelspec": {"display_name": "Python 3 (ipykernel)",
                            "language": "python", "name": "python3"},
-            "language_info": {"name": "python"},
+            "language_info": language_info(),
             "course": {"generated_from": f"source/{source.name}"},
         },
     )
@@ -325,6 +345,20 @@ def write_solutions(
     return paths
 
 
+def same_notebook(a: str, b: str) -> bool:
+    """Equal notebooks, but for the Python version in ``language_info``.
+
+    The committed notebooks carry the version of the Python that generated
+    them; a learner's Python may be another (``make lab`` regenerates them).
+    """
+    def norm(text: str) -> dict:
+        nb = json.loads(text)
+        nb.get("metadata", {}).get("language_info", {}).pop("version", None)
+        return nb
+
+    return a == b or norm(a) == norm(b)
+
+
 def check(
     source_dir: Path = SOURCE_DIR, notebook_dir: Path = NOTEBOOK_DIR
 ) -> list[str]:
@@ -337,7 +371,7 @@ def check(
         target = notebook_dir / name
         if not target.exists():
             problems.append(f"{target}: missing (generate it from {source})")
-        elif target.read_text(encoding="utf-8") != generate(source):
+        elif not same_notebook(target.read_text(encoding="utf-8"), generate(source)):
             problems.append(f"{target}: differs from what {source} generates")
     start = source_dir / START_SOURCE
     if start.exists():
@@ -345,7 +379,8 @@ def check(
         expected[target.name] = start
         if not target.exists():
             problems.append(f"{target}: missing (generate it from {start})")
-        elif target.read_text(encoding="utf-8") != generate_start(start):
+        elif not same_notebook(target.read_text(encoding="utf-8"),
+                               generate_start(start)):
             problems.append(f"{target}: differs from what {start} generates")
     for nb in sorted(notebook_dir.glob("*.ipynb")):
         if nb.name not in expected:

@@ -171,3 +171,18 @@ def test_shebang_in_markdown_is_kept_or_refused(tmp_path):
     (src / "07_demo.py").write_text(body.format("# # #!/bin/bash"))
     nb = json.loads(build.generate(src / "07_demo.py"))
     assert "#!/bin/bash\necho hi" in "".join(nb["cells"][0]["source"])
+
+
+def test_notebooks_carry_the_kernels_language_info_and_the_gate_ignores_its_version():
+    import platform
+
+    src = build.chapter_sources()[0]
+    text = build.generate(src)
+    info = json.loads(text)["metadata"]["language_info"]
+    # what ipykernel reports: JupyterLab rewrites anything else, and the
+    # notebook would open with unsaved changes
+    assert info["pygments_lexer"] == "ipython3"
+    assert info["version"] == platform.python_version()
+    other = text.replace(f'"version": "{info["version"]}"', '"version": "3.99.0"')
+    assert other != text and build.same_notebook(other, text)
+    assert not build.same_notebook(text.replace("import", "imports", 1), text)
