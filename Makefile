@@ -1,14 +1,14 @@
 # The course's two commands:
 #   make lab    set up (once) and open JupyterLab on the notebooks
 #   make test   set up (once) and run the whole test suite
-# Helpers: make notebooks | make images | make grade | make record | make gpu-check | make lint | make clean
+# Helpers: make e2e | make notebooks | make images | make grade | make record | make gpu-check | make lint | make clean
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lab test notebooks images grade record gpu-check lint clean
+.PHONY: setup lab test e2e notebooks images grade record gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,12 @@ images: setup
 	$(PY) -m course_utils.images
 	$(PY) -m course_utils.build
 
+# For instructors: the course in a real browser (JupyterLab in headless
+# Chromium, driven by Playwright). Needs the system's chromium.
+e2e: setup
+	$(PY) -m pip install --quiet -r requirements-e2e.txt
+	$(PY) -m pytest e2e -q
+
 grade: setup
 	$(PY) -m course_utils.grade
 
@@ -62,7 +68,7 @@ gpu-check: setup
 	$(PY) -m course_utils.gpu_check
 
 lint: setup
-	$(VENV)/bin/ruff check course_utils tests source
+	$(VENV)/bin/ruff check course_utils tests source e2e
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -184,7 +184,8 @@ def dataparallel_step(path: Path, n: int = 3) -> Path:
     """One nn.DataParallel step: scatter, replicate, parallel_apply, gather."""
     fig, ax = plt.subplots(figsize=(10, 3.8))
     cols = ["scatter: the batch\nin n chunks", "replicate the module\n(every step)",
-            "parallel_apply\n(one thread each)", "gather outputs on\ndevice 0, loss there",
+            "parallel_apply\n(one thread each)",
+            "gather outputs on\ndevice 0, loss there",
             "backward: grads\nsummed on device 0"]
     for c, text in enumerate(cols):
         ax.text(c * 2.2 + 0.8, n + 0.2, text, ha="center", fontsize=9)
@@ -212,7 +213,7 @@ def dataparallel_step(path: Path, n: int = 3) -> Path:
 def ring_allreduce(path: Path, n: int = 4) -> Path:
     """Ring all-reduce: n - 1 reduce-scatter steps, then n - 1 all-gather steps."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    for ax, phase in zip(axes, ("reduce-scatter", "all-gather")):
+    for ax, phase in zip(axes, ("reduce-scatter", "all-gather"), strict=True):
         for r in range(n):
             for k in range(n):
                 owner = (r + 1) % n if phase == "reduce-scatter" else r

@@ -1,5 +1,6 @@
-"""images/: every diagram is drawn by course_utils.images, and the schedules are right."""
+"""images/: every diagram is drawn by course_utils.images; the schedules are right."""
 
+import re
 import struct
 
 from course_utils import build, images
@@ -47,8 +48,7 @@ def test_start_page_embeds_its_images_and_links_every_chapter():
     assert "../images/" not in nb and "attachment:pipeline_schedules.png" in nb
     text = start.read_text()
     for source in build.chapter_sources():
-        assert f"]({source.stem}.ipynb)" in text, f"{source.stem} is not on the start page"
-    import re
+        assert f"]({source.stem}.ipynb)" in text, f"{source.stem} is not linked"
 
     for target in re.findall(r"\]\((\d\d_[a-z0-9_]+\.ipynb)\)", text):
         assert (build.NOTEBOOK_DIR / target).exists(), f"{target} does not exist"

@@ -1,0 +1,253 @@
+"""The course in a real browser: JupyterLab driven by Playwright in Chromium.
+
+    make e2e            # or: .venv/bin/python -m pytest e2e
+
+For instructors. Starts JupyterLab on 127.0.0.1 (with a token) on a copy of
+``notebooks/``, opens the start page and then each chapter in headless
+Chromium (the system's ``chromium``: Playwright never downloads a browser
+here), runs every cell the way a learner does - *Run All*, and after it stops
+at an unsolved exercise's check, *Run Selected Cell and All Below* from the
+next cell - and checks that:
+
+- the only errors are the unsolved exercises' short messages (no traceback);
+- the plots rendered, and no widget shows as plain text (the widget frontend
+  is there);
+- moving a slider changes its output (one slider per chapter that has any);
+- a notebook opens clean (no unsaved changes before anything ran).
+
+Screenshots go to ``build/e2e/``. Every process started is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# another folder of notebooks (e.g. solution notebooks) can be tested instead
+NOTEBOOKS = Path(os.environ.get("COURSE_E2E_NOTEBOOKS") or ROOT / "notebooks")
+SHOTS = ROOT / "build" / "e2e"
+CHAPTERS = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which(
+    "chromium-browser")
+CELL_TIMEOUT_S = 120  # as nbval's: a cell that runs longer counts as hung
+
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="pip install -r requirements-e2e.txt")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of notebooks/; yields its base URL and token."""
+    root = tmp_path_factory.mktemp("course") / "notebooks"
+    shutil.copytree(NOTEBOOKS, root)
+    port, token = _free_port(), secrets.token_hex(16)
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser",
+           "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+           "--LabApp.news_url=", "--ServerApp.port_retries=0"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = open(root.parent / "lab.log", "w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True, cwd=root)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    pytest.fail("JupyterLab did not start:\n"
+                                + (root.parent / "lab.log").read_text()[-2000:])
+                time.sleep(0.5)
+        yield {"base": base, "token": token, "root": root}
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)  # the server and its kernels
+            server.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not CHROMIUM:
+        pytest.fail("no chromium on PATH: install it (Debian: apt-get install "
+                    "chromium) or set CHROMIUM=/path/to/chrome")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                               args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+def _open(browser, lab, name: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    # a fresh workspace per notebook: nothing restored from an earlier run
+    page.goto(f"{lab['base']}/lab/workspaces/e2e-{name[:2]}/tree/{name}"
+              f"?reset&token={lab['token']}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], "
+                           "#jp-main-statusbar :text('Idle')", timeout=60_000)
+    return page
+
+
+def _menu(page, menu: str, item: str) -> None:
+    page.click(f".lm-MenuBar-itemLabel:text-is('{menu}')")
+    page.click(f".lm-Menu-itemLabel:text-is('{item}')")
+
+
+def _wait_idle(page, timeout_s: float) -> None:
+    """Until no cell is queued or running ([*]) for a second."""
+    deadline, calm = time.monotonic() + timeout_s, 0
+    while calm < 4:
+        busy = page.eval_on_selector_all(
+            ".jp-Notebook .jp-InputPrompt",
+            "els => els.some(e => e.textContent.includes('*'))")
+        calm = 0 if busy else calm + 1
+        if time.monotonic() > deadline:
+            raise AssertionError(f"cells still running after {timeout_s:.0f} s")
+        time.sleep(0.25)
+
+
+CELLS_JS = """els => els.map((c, i) => ({
+  index: i,
+  code: c.classList.contains('jp-CodeCell'),
+  prompt: (c.querySelector('.jp-InputPrompt') || {}).textContent || '',
+  error: Array.from(c.querySelectorAll(
+      ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"))
+      .map(e => e.textContent).join('\\n'),
+  images: c.querySelectorAll('.jp-OutputArea-output img').length,
+  text: Array.from(c.querySelectorAll('.jp-OutputArea-output'))
+      .map(e => e.textContent).join('\\n'),
+}))"""
+
+
+def _cells(page) -> list[dict]:
+    return page.eval_on_selector_all(".jp-Notebook .jp-Cell", CELLS_JS)
+
+
+def _is_unsolved(error: str) -> bool:
+    return bool(re.search(r"Exercise \d+\.\d+ is not solved yet", error)) and (
+        "Traceback" not in error)
+
+
+def _run_everything(page, name: str, n_cells: int) -> list[dict]:
+    """Run All, then past each unsolved check, like a learner following the note."""
+    _menu(page, "Run", "Run All Cells")
+    seen_errors: set[int] = set()
+    for _ in range(n_cells):
+        _wait_idle(page, CELL_TIMEOUT_S * 3)
+        cells = _cells(page)
+        new = [c for c in cells if c["error"] and c["index"] not in seen_errors]
+        if not new:
+            return cells
+        cell = new[0]
+        assert _is_unsolved(cell["error"]), (
+            f"{name}: cell {cell['index']} raised something other than an unsolved "
+            f"exercise's message:\n{cell['error'][-1500:]}")
+        seen_errors.add(cell["index"])
+        if cell["index"] + 1 >= len(cells):
+            return cells
+        page.locator(".jp-Notebook .jp-Cell").nth(cell["index"] + 1).click(
+            position={"x": 5, "y": 5})
+        _menu(page, "Run", "Run Selected Cell and All Below")
+    return _cells(page)
+
+
+def _has_sliders(name: str) -> bool:
+    nb = json.loads((NOTEBOOKS / name).read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"]
+                     if c["cell_type"] == "code")
+    return bool(re.search(r"\binteract\b|Slider\(", code))
+
+
+def test_start_page_opens_clean_with_its_pictures(browser, lab):
+    page = _open(browser, lab, "START_HERE.ipynb")
+    try:
+        page.wait_for_selector(".jp-RenderedMarkdown :text('The chapters')")
+        page.wait_for_selector(".jp-RenderedMarkdown img", state="attached")
+        deadline = time.monotonic() + 20
+        while True:
+            sizes = page.eval_on_selector_all(
+                ".jp-RenderedMarkdown img", "els => els.map(e => e.naturalWidth)")
+            if (sizes and min(sizes) > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert sizes and all(w > 100 for w in sizes), f"images not shown: {sizes}"
+        hrefs = page.eval_on_selector_all(
+            ".jp-RenderedMarkdown a", "els => els.map(e => e.getAttribute('href'))")
+        links = sum(".ipynb" in (h or "") for h in hrefs)
+        assert links >= len(CHAPTERS)
+        time.sleep(2)
+        assert not page.query_selector(".jp-mod-dirty"), "opens with unsaved changes"
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "START_HERE.png"))
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_chapter_runs_in_the_browser(browser, lab, name):
+    page = _open(browser, lab, name)
+    try:
+        time.sleep(1)
+        assert not page.query_selector(".jp-mod-dirty"), (
+            f"{name} opens with unsaved changes (its metadata is rewritten on open)")
+        n_cells = page.locator(".jp-Notebook .jp-Cell").count()
+        cells = _run_everything(page, name, n_cells)
+        code = [c for c in cells if c["code"]]
+        unrun = [c["index"] for c in code if not re.search(r"\[\d+\]", c["prompt"])]
+        assert not unrun, f"{name}: cells never ran: {unrun[:10]}"
+        raw = [c for c in code if re.search(
+            r"(interactive|IntSlider|FloatSlider|VBox|HBox|Output)\(", c["text"])]
+        assert not raw, (f"{name}: a widget shows as plain text (no widget frontend):"
+                         f" {raw[0]['text'][:200]}")
+        assert sum(c["images"] for c in code) > 0, f"{name}: no plot rendered"
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        if _has_sliders(name):
+            slider = page.locator(".widget-slider .noUi-handle, "
+                                  ".widget-hslider .noUi-handle").first
+            assert slider.count(), f"{name}: it has sliders, but none is shown"
+            slider.scroll_into_view_if_needed()
+            box = slider.locator("xpath=ancestor::div[contains(@class,"
+                                 "'widget-interact') or contains(@class,"
+                                 "'jupyter-widgets')][last()]")
+            area = slider.locator("xpath=ancestor::div[contains(@class,"
+                                  "'jp-OutputArea-output')][1]")
+            before = area.inner_html()
+            slider.focus()
+            for _ in range(3):
+                page.keyboard.press("ArrowRight")
+            deadline = time.monotonic() + 60
+            while area.inner_html() == before and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert area.inner_html() != before, (
+                f"{name}: moving the first slider did not change its output")
+            del box
+        page.screenshot(path=str(SHOTS / f"{name[:-6]}.png"), full_page=False)
+    finally:
+        page.close()
