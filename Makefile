@@ -17,7 +17,9 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
+	@# setuptools warns, in a frame that reads like a failure, that the folder
+	@# course_utils/ here shadows the installed one: that is what we want
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install --quiet --no-deps -e .
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
 	  echo "nvidia-smi found: trying the GPU extras (requirements-gpu.txt)"; \
 	  for pkg in $$(grep -v '^#' requirements-gpu.txt); do \
@@ -25,7 +27,7 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	      || echo "WARNING: $$pkg did not install (is the CUDA toolkit on PATH?); every chapter still runs without it"; \
 	  done; \
 	else \
-	  echo "no nvidia-smi: CPU set-up (GPU cells show reference results)"; \
+	  echo "no nvidia-smi: CPU set-up (GPU cells show published and predicted GPU figures)"; \
 	fi
 	@touch $(STAMP)
 
