@@ -29,6 +29,10 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	else \
 	  echo "no nvidia-smi: CPU set-up (GPU cells show published and predicted GPU figures)"; \
 	fi
+	@# JupyterLab: never offer to fetch news from the internet (the course is offline)
+	@mkdir -p $(VENV)/share/jupyter/lab/settings
+	@echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}' \
+	  > $(VENV)/share/jupyter/lab/settings/overrides.json
 	@touch $(STAMP)
 
 # Jupyter refuses to run as root unless told; containers and cloud notebooks
