@@ -351,14 +351,35 @@ def _kill_groups(pgids: list[int]) -> None:
             pass
 
 
-def _stop(procs: list) -> None:
-    """Stop every live rank and its children, and reap the ranks."""
+def _stop(procs: list, grace: float = 2.0) -> None:
+    """Stop every live rank and its children, and reap the ranks.
+
+    The ranks' descendants are listed first (a process that dies hands its
+    children to init, where nobody would find them) and ended with
+    ``stop_tree``; the ranks themselves are ended and joined through
+    multiprocessing, so that it knows they are gone.
+    """
+    import psutil
+
     pids = [p.pid for p in procs if p.pid is not None]
-    stop_tree(pids)
-    _kill_groups(pids)  # children of ranks that had already returned
+    descendants = []
+    for pid in pids:
+        try:
+            descendants += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
     for p in procs:
-        if p.pid is not None:
-            p.join(timeout=1)
+        if p.pid is not None and p.exitcode is None:
+            p.terminate()
+    stop_tree(descendants, grace)
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=grace)
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=grace)
+    _kill_groups(pids)  # children of ranks that had already returned
 
 
 def _read(path: Path) -> str:
