@@ -203,10 +203,10 @@ def _die_with_parent(parent: int) -> None:
 
 # A watchdog that outlives a killed parent: it reads the ranks' process group ids
 # from a pipe. "done" means the launch ended cleanly; end-of-file without it
-# means the parent died, and every group is killed.
+# means the parent died: every group is killed and the ranks' folder removed.
 WATCHDOG = """
-import os, signal, sys
-fd, groups, buf = int(sys.argv[1]), set(), b""
+import os, shutil, signal, sys
+fd, workdir, groups, buf = int(sys.argv[1]), sys.argv[2], set(), b""
 while chunk := os.read(fd, 4096):
     buf += chunk
     *lines, buf = buf.split(b"\\n")
@@ -218,17 +218,19 @@ if b"done" not in groups:
                 kill(int(g), signal.SIGKILL)
             except (OSError, ValueError):
                 pass
+    shutil.rmtree(workdir, ignore_errors=True)  # the ranks' files
 """
 
 
 class _Watchdog:
     """The watchdog process and the pipe that tells it which groups to end."""
 
-    def __init__(self):
+    def __init__(self, workdir: Path):
         read, self.fd = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-c", WATCHDOG, str(read)], pass_fds=(read,),
+                [sys.executable, "-S", "-c", WATCHDOG, str(read), str(workdir)],
+                pass_fds=(read,),
                 start_new_session=True,  # an interrupt of this process spares it
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         finally:
@@ -448,7 +450,7 @@ def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Ru
     """Start the ranks once, wait for them, stop them; return what they left."""
     ctx = mp.get_context(method)
     workdir = Path(tempfile.mkdtemp(prefix="course_dist_"))
-    watchdog = _Watchdog()
+    watchdog = _Watchdog(workdir)
     procs = [ctx.Process(target=_rank_main, name=f"rank{r}",
                          args=(fn, r, nprocs, tuple(args), backend, port, init,
                                timeout, str(workdir), threads, os.getpid(),

@@ -385,7 +385,10 @@ def test_ranks_die_with_their_parent(tmp_path, sig):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
     pidfile = tmp_path / "pids"
+    tmp = tmp_path / "tmp"  # where the launcher makes the ranks' folder
+    tmp.mkdir()
     parent = subprocess.Popen([sys.executable, str(script), str(pidfile)],
+                              env=dict(os.environ, TMPDIR=str(tmp)),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
@@ -400,6 +403,9 @@ def test_ranks_die_with_their_parent(tmp_path, sig):
         while time.monotonic() < deadline and not all(map(gone, pids)):
             time.sleep(0.1)
         assert all(map(gone, pids)), [p for p in pids if not gone(p)]
+        while time.monotonic() < deadline and list(tmp.iterdir()):
+            time.sleep(0.1)
+        assert not list(tmp.iterdir()), "the ranks' folder was left behind"
     finally:
         if parent.poll() is None:
             parent.kill()
