@@ -530,10 +530,12 @@ print(f"{caught[0].category.__name__}: {caught[0].message}")
 
 # %% [markdown]
 # The experiment: allocate a tensor, free it, empty the cache, and read both
-# counters after each step. On a GPU it runs for real and is recorded as a
-# reference; on the CPU there is no caching allocator, so we watch the
+# counters after each step. On a GPU it runs for real (and `make record`
+# records it); on the CPU there is no caching allocator, so we watch the
 # process's resident memory (RSS) instead: large CPU allocations come straight
-# from the operating system and go straight back.
+# from the operating system and go straight back. Below it, what the caching
+# allocator does on a GPU, *predicted* from its documented behaviour (and a
+# *recorded* run where a GPU has made one).
 
 # %%
 def cuda_memory_steps(device, n_bytes):
@@ -579,13 +581,21 @@ else:
     for step, rss in steps.items():
         print(f"{step:>18}: process RSS {format_bytes(rss)} "
               f"({format_bytes(rss - base)} over start)")
-for entry in reference.lookup("00.allocator_steps"):
-    print(f"\nreference ({reference.label(entry)}):")
-    for step, (alloc, res) in entry["value"].items():
+MiB256 = 256 * 2**20
+# What PyTorch's caching allocator does with the same steps on a GPU: a freed
+# block stays reserved for the next tensor until empty_cache() returns it.
+expected = reference.predicted(
+    {"start": [0, 0], "after allocating": [MiB256, MiB256],
+     "after del": [0, MiB256], "after empty_cache": [0, 0]},
+    "bytes (allocated, reserved)", "any CUDA GPU",
+    "the caching allocator keeps freed blocks reserved until empty_cache() "
+    "(PyTorch docs, CUDA semantics: memory management); a fresh process "
+    "starts at zero")
+print()
+for fig in reference.show("00.allocator_steps", figures=[expected]):
+    for step, (alloc, res) in fig.value.items():
         print(f"{step:>18}: allocated {format_bytes(alloc):>10}, "
               f"reserved {format_bytes(res):>10}")
-if not reference.lookup("00.allocator_steps"):
-    print("\n00.allocator_steps: no reference recorded yet on a GPU")
 
 # %% [markdown]
 # What to look for on a GPU: after `del`, *allocated* drops back but *reserved*
@@ -640,8 +650,10 @@ allocate(2**17)
 # chapter's one: the speed of a float32 matrix multiplication, in TFLOP/s
 # (an n x n matmul does 2n^3 floating-point operations). `bench` warms up,
 # waits for the device, repeats and takes the median (Chapter 2 explains why
-# each step matters). The GPU figure beside it was recorded on a real GPU, if
-# one has been recorded.
+# each step matters). Beside it, GPU figures labelled with their kind: two
+# GPUs' datasheet peaks (*published*, with the source), and a measurement made
+# by this course on a GPU (*recorded*) where one exists. Every GPU figure in
+# the course says which kind it is.
 
 # %%
 n = 512 if device.type == "cpu" else 8192
@@ -651,8 +663,12 @@ tflops = 2 * n**3 / t.median / 1e12
 print(t)
 if device.type == "cuda":
     reference.record("00.matmul_fp32_tflops", tflops, "TFLOP/s", device, note=f"n={n}")
+# the published figures are datasheet peaks (dense FP32 on the CUDA cores): a
+# large matmul gets most of the way there, a small one much less
 reference.show("00.matmul_fp32_tflops", local=tflops, unit="TFLOP/s",
-               local_device=f"{device}, n={n}");
+               local_device=device,
+               figures=[reference.published("h100_sxm.fp32_tflops"),
+                        reference.published("t4.fp32_tflops")]);
 
 # %% [markdown]
 # ## 9. Leftovers from old PyTorch
