@@ -51,9 +51,11 @@ import numpy as np
 import torch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from course_utils import banner, bench, for_device, reference, try_gpu
+from course_utils import banner, bench, for_device, plots, predict, reference, try_gpu
 from course_utils.devices import (
     FP32_LANES_PER_SM,
+    DoesNotFit,
+    check_fits,
     cpu_facts,
     kernel_target,
     usable_cores,
@@ -64,7 +66,7 @@ from course_utils.warps import count_divergent_warps, trace_sectors
 banner()
 import warnings
 
-from numba import cuda  # after course_utils: the simulator is chosen by now
+from numba import cuda, float32  # after course_utils: the simulator is chosen by now
 from numba.core.errors import NumbaPerformanceWarning
 
 # On a GPU numba warns that our tiny teaching grids leave it mostly idle, and that
@@ -478,7 +480,7 @@ print(f"a block of 100 threads: {warps_100} warps, {warps_100 * 32 - 100} idle l
 def matmul_naive(A, B, C):
     x, y = cuda.grid(2)  # x: column of C, y: row of C
     if y < C.shape[0] and x < C.shape[1]:
-        acc = 0.0
+        acc = float32(0.0)  # a bare 0.0 is a float64 in numba: slow on most GPUs
         for k in range(A.shape[1]):
             acc += A[y, k] * B[k, x]
         C[y, x] = acc
@@ -596,7 +598,8 @@ for name, idx in patterns.items():
 # `torch.take(src, idx)` launches the same one-thread-per-element gather, so we
 # time it for the three patterns on the device we have. A CPU has the same
 # problem with its 64-byte cache lines, so the CPU run is an honest analogue; on
-# a GPU the measurement is recorded as a reference.
+# a GPU the measurement is recorded, and beside it is the sector model's
+# prediction for an H100.
 
 # %%
 n_bw = for_device(device, cpu=2**22, gpu=2**26)
@@ -608,37 +611,61 @@ bw_patterns = {
 }
 useful_bytes = n_bw * (4 + 8 + 4)  # read src (float32) and idx (int64), write out
 bandwidth = {}
-for name, idx in bw_patterns.items():
-    t = bench(torch.take, src_t, idx, min_run_time=0.1).median
-    bandwidth[name] = useful_bytes / t / 1e9
+threads = torch.get_num_threads()
+torch.set_num_threads(1)  # one core: its caches, not how many cores share the work
+try:
+    for name, idx in bw_patterns.items():
+        t = bench(torch.take, src_t, idx, min_run_time=0.1).median
+        bandwidth[name] = useful_bytes / t / 1e9
+finally:
+    torch.set_num_threads(threads)
 for name, gbs in bandwidth.items():
     print(f"{name:10} {gbs:8.1f} GB/s useful  ({bandwidth['coalesced'] / gbs:.1f}x "
           f"slower than coalesced)")
 if on_gpu:
     reference.record("01.gather_bandwidth", bandwidth, "GB/s", device)
-ref = reference.show("01.gather_bandwidth", local=str(
-    {k: round(v, 1) for k, v in bandwidth.items()}), unit="GB/s",
-    local_device=str(device))
+
+# The sector model on a GPU: per element, idx (8 bytes) and out (4 bytes) are
+# always coalesced; src costs 4 bytes when coalesced and a whole 32-byte sector
+# when scattered. Bandwidth in useful bytes = HBM bandwidth x useful / moved.
+moved = {"coalesced": 8 + 4 + 4, "stride 8": 8 + 4 + 32, "random": 8 + 4 + 32}
+hbm = predict.memory_bandwidth("h100_sxm")
+gpu_gather = reference.predicted(
+    {k: hbm * 16 / m / 1e9 for k, m in moved.items()}, "GB/s",
+    predict.gpu_name("h100_sxm"),
+    "sector model: useful GB/s = HBM bandwidth x 16 useful / bytes moved per "
+    "element (16 coalesced, 44 scattered: 8 B index + 4 B output + one 32 B sector)",
+    ["h100_sxm.memory_bandwidth_gbps"])
+shown = reference.show("01.gather_bandwidth", local=bandwidth, unit="GB/s",
+                       local_device=device, figures=[gpu_gather])
+for f in shown:
+    print(f"  {f.legend}: " + ", ".join(f"{k} {v:,.0f}" for k, v in f.value.items())
+          + f"  (coalesced / random = {f.value['coalesced'] / f.value['random']:.1f}x)")
 
 # %%
-fig, ax = plt.subplots(figsize=(6.4, 3.6))
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
 names = list(bandwidth)
-ax.bar([f"{k}\n(here)" for k in names], [bandwidth[k] for k in names], color="tab:blue")
-if ref and not on_gpu:
-    gpu_bw = ref[0]["value"]
-    ax.bar([f"{k}\n({ref[0]['device']})" for k in names], [gpu_bw[k] for k in names],
-           color="tab:green")
-ax.set_xlabel("access pattern (where measured)")
-ax.set_ylabel("useful bandwidth (GB/s)")
-ax.set_title(f"Gather of {n_bw:,} floats by access pattern on {device}")
+for ax, fig_, color in zip(axes, [shown[0], shown[-1]], ["tab:blue", "tab:green"],
+                           strict=True):
+    ax.bar(names, [fig_.value[k] for k in names], color=color, edgecolor="black",
+           hatch=plots.FIGURE_STYLE[fig_.kind]["hatch"], label=fig_.legend)
+    ax.set_ylabel("useful bandwidth (GB/s)")
+    ax.set_title(fig_.legend, fontsize=10)
+    ax.legend(fontsize=8)
+fig.suptitle(f"Gather of {n_bw:,} floats by access pattern")
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
 # Look for the coalesced bar to be the highest and the random one the lowest.
-# On a GPU the gap is large, because many warps keep HBM busy with sectors that
-# are mostly thrown away. On a CPU it is usually smaller: its caches and
-# prefetchers hide part of the cost, and `torch.take` runs on few cores.
+# The prediction for a GPU applies the sector counts above: a scattered gather
+# moves 44 bytes for every 16 it uses, so it runs at about 16/44 of the
+# coalesced speed, 2.75x slower - not 8x, because the index and the output are
+# read and written coalesced whatever the pattern. A gather with 4-byte
+# indices, or a kernel that reads only the scattered array, would pay closer to
+# 8x. The CPU measured here (one thread) has 64-byte cache lines and a
+# prefetcher that follows strides but not random addresses, so its gap can be
+# larger or smaller than the GPU's: compare the ratios printed above.
 #
 # ## 7. Divergence: when threads of a warp disagree
 #
@@ -664,10 +691,10 @@ def two_paths(out, by_warp, steps):
     v = out[i]
     if lane_group == 0:
         for _ in range(steps):
-            v = v * 1.000001 + 0.5
+            v = v * float32(1.000001) + float32(0.5)  # float32, like v
     else:
         for _ in range(steps):
-            v = v * 0.999999 - 0.25
+            v = v * float32(0.999999) - float32(0.25)
     out[i] = v
 
 
@@ -689,7 +716,7 @@ for by_warp in (False, True):
 # twice as long, as the warp runs both loops. On the simulator every thread is a
 # Python thread and there is no warp, so timing it would teach nothing: it runs
 # a tiny launch to check that both layouts compute the same values, and shows
-# the reference.
+# the GPU figures.
 
 # %%
 def time_kernel(launch, repeats=20):
@@ -725,7 +752,13 @@ if on_gpu:
 else:
     same = np.array_equal(np.sort(results["by parity"]), np.sort(results["by warp"]))
     print("both layouts give the same multiset of values:", same)
-_ = reference.show("01.divergence_ratio", unit="x (divergent time / uniform time)")
+_ = reference.show(
+    "01.divergence_ratio", unit="x (divergent time / uniform time)",
+    local=ratio if on_gpu else None, local_device=device,
+    figures=[reference.predicted(
+        2.0, "x", "any NVIDIA GPU",
+        "SIMT: a split warp runs both loops one after the other, and the loops are "
+        "almost all of the work, so the divergent layout takes twice as long")])
 
 # %% [markdown]
 # ## 8. The memory hierarchy
@@ -805,21 +838,32 @@ for k, v in facts.items():
 # buffers that fit in L2, below 50 MB on an H100. Data that must leave the GPU
 # cross links far slower than HBM: PCIe to the host, NVLink to other GPUs.
 # Registers are faster still, but no bandwidth is published for them either.
-# The cell lists the H100 SXM5's figures; with a GPU it also computes the
-# shared-memory bandwidth of the GPU it runs on, from its probed SMs and clock.
+# The cell lists the H100 SXM5's published figures, and predicts the A100's
+# shared-memory bandwidth from its published SM count and clock; with a GPU it
+# also computes that of the GPU it runs on, from its probed SMs and clock.
 
 # %%
 def shared_memory_bandwidth(n_sms, clock_hz):
     return n_sms * 32 * 4 * clock_hz  # SMs x 32 banks x 4 bytes x clocks per second
 
 
-h100_smem = shared_memory_bandwidth(132, 1.98e9)  # published: 132 SMs, 1.98 GHz boost
-h100_levels = {  # bytes per second
-    "shared memory, all SMs": (h100_smem, "computed: 132 SMs x 32 x 4 B x 1.98 GHz"),
+def published_value(key, scale=1.0):
+    return reference.published_entry(key)["value"] * scale
+
+
+# A100: the GPU whose whitepaper publishes both its SM count and its boost clock
+a100_smem = shared_memory_bandwidth(published_value("a100.sm_count"),
+                                    published_value("a100.boost_clock_mhz", 1e6))
+h100_levels = {  # bytes per second, and how we know
+    "HBM3": (published_value("h100_sxm.memory_bandwidth_gbps", 1e9),
+             "published (datasheet)"),
     "L2 cache": (None, "not published: see the copy sweep below"),
-    "HBM3": (3.35e12, "published (datasheet)"),
-    "NVLink 4, to other GPUs": (900e9, "published, per GPU, both directions"),
-    "PCIe Gen5 x16, to the host": (64e9, "published, about, each direction"),
+    "NVLink 4, to other GPUs": (
+        published_value("h100_sxm.nvlink_bandwidth_total_gbps", 1e9),
+        "published, both directions together"),
+    "PCIe Gen5 x16, to the host": (
+        published_value("pcie5_x16.bandwidth_per_direction_gbps", 1e9),
+        "published, each direction"),
 }
 print("NVIDIA H100 SXM5, from published figures (not measured here):")
 for level, (bw, how) in h100_levels.items():
@@ -827,7 +871,9 @@ for level, (bw, how) in h100_levels.items():
                                     else f"{bw / 1e9:.0f} GB/s")
     print(f"  {level:28} {shown:>11}   {how}")
 hbm, pcie = h100_levels["HBM3"][0], h100_levels["PCIe Gen5 x16, to the host"][0]
-print(f"shared memory / HBM: {h100_smem / hbm:.0f}x, HBM / PCIe: {hbm / pcie:.0f}x")
+print(f"HBM / PCIe on an H100: {hbm / pcie:.0f}x; shared memory / HBM on an A100: "
+      f"{a100_smem / published_value('a100_sxm_80gb.memory_bandwidth_gbps', 1e9):.0f}x")
+smem_bw = None
 if on_gpu:
     props = torch.cuda.get_device_properties(device)
     clock_khz = getattr(props, "clock_rate", 0) or cuda.get_current_device().CLOCK_RATE
@@ -836,7 +882,12 @@ if on_gpu:
           f"{clock_khz / 1e6:.2f} GHz = {smem_bw / 1e12:.1f} TB/s of shared memory "
           "(computed from its probed properties)")
     reference.record("01.shared_memory_bandwidth", smem_bw / 1e12, "TB/s", device)
-_ = reference.show("01.shared_memory_bandwidth", unit="TB/s (computed from probes)")
+_ = reference.show(
+    "01.shared_memory_bandwidth", unit="TB/s",
+    figures=[reference.predicted(
+        a100_smem / 1e12, "TB/s", "NVIDIA A100",
+        "SMs x 32 banks x 4 bytes x boost clock",
+        ["a100.sm_count", "a100.boost_clock_mhz"])])
 
 # %% [markdown]
 # Read the two ratios: each step outwards costs an order of magnitude or more of
@@ -855,7 +906,8 @@ _ = reference.show("01.shared_memory_bandwidth", unit="TB/s (computed from probe
 # of blocks. On a GPU the cell measures the copy bandwidth for a growing number
 # of blocks of 256 threads; look for it to climb until there are several
 # blocks per SM, then level off at the memory's bandwidth. On the simulator it
-# only checks that every grid size copies correctly, and shows the reference.
+# only checks that every grid size copies correctly; the published HBM peak is
+# the roof a GPU's curve climbs towards.
 
 # %%
 @cuda.jit
@@ -887,19 +939,30 @@ else:
         copy_grid_stride[nb, 64](src_s, dst_s)
         assert np.array_equal(dst_s, src_s), nb
     print("grid-stride copy checked with 1, 3 and 12 blocks on the simulator")
-lat_ref = reference.show("01.copy_bandwidth_vs_blocks", unit="GB/s")
-lat_curve = latency_curve if on_gpu else (lat_ref[0]["value"] if lat_ref else None)
-if lat_curve:
+hbm_peak = reference.published("h100_sxm.memory_bandwidth_gbps")
+lat_shown = reference.show("01.copy_bandwidth_vs_blocks", unit="GB/s",
+                           figures=[hbm_peak])
+curves = [f for f in lat_shown if isinstance(f.value, dict)]  # recorded curves
+if on_gpu:
+    curves.insert(0, reference.measured(latency_curve, "GB/s", device))
+if curves:  # a curve from a GPU, measured now or recorded: draw it under the roof
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.plot(lat_curve["blocks"], lat_curve["GB/s"], marker="o")
+    for f in curves:
+        ax.plot(f.value["blocks"], f.value["GB/s"], label=f.legend,
+                **plots.figure_style(f.kind))
+    ax.axhline(hbm_peak.value, color="gray", **plots.figure_style("published"))
+    ax.text(1, hbm_peak.value * 1.02, hbm_peak.legend + " HBM peak", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("blocks of 256 threads in the grid")
     ax.set_ylabel("copy bandwidth (GB/s, read + write)")
-    where = torch.cuda.get_device_name(device) if on_gpu else lat_ref[0]["device"]
-    ax.set_title(f"More warps in flight hide memory latency ({where})")
+    ax.set_title("More warps in flight hide memory latency")
     ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
     plt.tight_layout()
     plt.show()
+else:
+    print("no GPU curve to draw here (none measured, none recorded yet): on a GPU "
+          "the copy climbs with the number of blocks towards the published peak above")
 
 # %% [markdown]
 # We can see the hierarchy in a measurement on either device: copy a buffer of
@@ -923,18 +986,31 @@ def copy_bandwidth(n_bytes, on=device):
     return 2 * n_bytes / t / 1e9  # read x and write y
 
 
-sizes = [2**k for k in range(20, for_device(device, cpu=28, gpu=32))]
+def fits(n_bytes):
+    """Source and copy both fit on the device (a 6 GB laptop GPU stops early)."""
+    try:
+        check_fits((2 * n_bytes // 4,), torch.float32, device)
+        return True
+    except DoesNotFit:
+        return False
+
+
+sizes = [2**k for k in range(20, for_device(device, cpu=28, gpu=32)) if fits(2**k)]
 bw_curve = [copy_bandwidth(s) for s in sizes]
 if on_gpu:
     reference.record("01.copy_bandwidth_vs_size", {"bytes": sizes, "GB/s": bw_curve},
                      "GB/s", device)
-curve_ref = reference.show("01.copy_bandwidth_vs_size", unit="GB/s")
+curve_shown = reference.show(
+    "01.copy_bandwidth_vs_size", local={"bytes": sizes, "GB/s": bw_curve},
+    unit="GB/s", local_device=device, figures=[hbm_peak])
 
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
-ax.plot(np.array(sizes) / 2**20, bw_curve, marker="o", label=f"measured here ({device})")
-for e in ([] if on_gpu else curve_ref):
-    ax.plot(np.array(e["value"]["bytes"]) / 2**20, e["value"]["GB/s"], marker="s",
-            label=e["device"])
+for f in curve_shown:
+    if isinstance(f.value, dict):
+        ax.plot(np.array(f.value["bytes"]) / 2**20, f.value["GB/s"], label=f.legend,
+                **plots.figure_style(f.kind))
+ax.axhline(hbm_peak.value, color="gray", label=hbm_peak.legend + " HBM peak",
+           **plots.figure_style("published"))
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 1, 2, 4, ...
@@ -960,23 +1036,27 @@ print(f"peak {bw_curve[best]:.0f} GB/s at {sizes[best] // 2**20} MiB buffers, "
 # et al., 2022), which gives for an A100: on-chip SRAM 19 TB/s, HBM 1.5 TB/s and
 # "CPU DRAM" 12.8 GB/s. The first two fit the A100, as the cell below computes
 # from its published figures. The third does not describe a server's memory:
-# even one thread copying on this machine may beat it (the cell reuses the
-# largest buffer of the sweep above, or measures one on the host with a GPU),
-# and a server socket of the A100's generation has eight DDR4-3200 memory
-# channels working at once. 12.8 GB/s is rather the order of what the **PCIe
-# link** between host memory and the GPU delivers, and that link, not the DRAM,
-# is what limits a GPU reading data from the host.
+# 12.8 GB/s is exactly **one channel of DDR3-1600** (1600 million transfers a
+# second x 8 bytes), the memory of a desktop of 2012. Even one thread copying
+# on this machine may beat it (the cell reuses the largest buffer of the sweep
+# above, or measures one on the host with a GPU), and a server socket of the
+# A100's generation has eight DDR4-3200 channels working at once. What limits
+# a GPU that reads host memory is neither figure but the **PCIe link** between
+# them, about 32 GB/s each way for PCIe 4.0 x16.
 
 # %%
-a100_smem = shared_memory_bandwidth(108, 1.41e9)  # published: 108 SMs, 1.41 GHz boost
 host_copy = bw_curve[-1] if not on_gpu else copy_bandwidth(2**27, on="cpu")
 ddr4_socket = 8 * 3200e6 * 8  # 8 channels x 3200 MT/s x 8 bytes (published spec)
 pcie4 = 16e9 * 16 / 8 * 128 / 130  # 16 GT/s x 16 lanes, 128b/130b encoding
 print("FlashAttention's A100 figures against what they should be:")
-print(f"  SRAM 19 TB/s:     108 SMs x 32 x 4 B x 1.41 GHz = {a100_smem / 1e12:.1f} TB/s"
-      " (computed from published figures)")
-print("  HBM 1.5 TB/s:     A100 40GB, 1.555 TB/s (published)")
-print(f"  DRAM 12.8 GB/s:   one thread copying here: {host_copy:.1f} GB/s (measured);"
+print(f"  SRAM 19 TB/s:     {published_value('a100.sm_count'):.0f} SMs x 32 x 4 B x "
+      f"{published_value('a100.boost_clock_mhz') / 1e3:.2f} GHz = "
+      f"{a100_smem / 1e12:.1f} TB/s (computed from published figures)")
+print("  HBM 1.5 TB/s:     A100 40GB, "
+      f"{published_value('a100_sxm_40gb.memory_bandwidth_gbps') / 1e3:.3f} TB/s "
+      "(published)")
+print(f"  DRAM 12.8 GB/s:   = 1 channel of DDR3-1600: {1600e6 * 8 / 1e9:.1f} GB/s; "
+      f"one thread copying here: {host_copy:.1f} GB/s (measured);"
       f" 8 x DDR4-3200 socket: {ddr4_socket / 1e9:.1f} GB/s (computed from spec)")
 print(f"                    PCIe Gen4 x16, each direction: {pcie4 / 1e9:.1f} GB/s "
       "(computed from spec) - the real bottleneck")
@@ -1004,11 +1084,11 @@ def matmul_tiled(A, B, C):
     b_tile = cuda.shared.array((TILE, TILE), dtype=np.float32)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
     x, y = cuda.grid(2)
-    acc = 0.0
+    acc = float32(0.0)
     for t in range((A.shape[1] + TILE - 1) // TILE):
         k_a, k_b = t * TILE + tx, t * TILE + ty
-        a_tile[ty, tx] = A[y, k_a] if y < A.shape[0] and k_a < A.shape[1] else 0.0
-        b_tile[ty, tx] = B[k_b, x] if k_b < B.shape[0] and x < B.shape[1] else 0.0
+        a_tile[ty, tx] = A[y, k_a] if y < A.shape[0] and k_a < A.shape[1] else float32(0.0)
+        b_tile[ty, tx] = B[k_b, x] if k_b < B.shape[0] and x < B.shape[1] else float32(0.0)
         cuda.syncthreads()  # the whole tile is loaded before anyone reads it
         for k in range(TILE):
             acc += a_tile[ty, k] * b_tile[k, tx]
@@ -1066,8 +1146,10 @@ print(f"the tiled kernel issues {naive_trace.requests / tiled_trace.requests:.1f
 # rows of C, so its A loads touch just 2 sectors), which is why the saving in
 # sectors is smaller than the saving in requests. On a real GPU the caches already catch part of
 # the naive kernel's repeated reads, so the time gap is smaller than the sector
-# gap. The next cell measures it on a GPU and shows the reference
-# otherwise; cuBLAS (`torch.matmul`) is timed beside them as the yardstick.
+# gap. The next cell measures it on a GPU, with cuBLAS (`torch.matmul`) timed
+# beside them as the yardstick; everywhere it shows the roofline's floor for
+# an H100 (no fp32 kernel can beat the FP32 peak), and recorded times where a
+# GPU has recorded them.
 
 # %%
 if on_gpu:
@@ -1088,7 +1170,16 @@ if on_gpu:
         print(f"{k:13} {v * 1e3:8.3f} ms  {2 * n_gpu**3 / v / 1e12:6.2f} TFLOP/s")
     reference.record("01.matmul_2048_ms", {k: v * 1e3 for k, v in times.items()},
                      "ms", device)
-_ = reference.show("01.matmul_2048_ms", unit="ms")
+n_mm = 2048
+floor = predict.roofline_seconds(2 * n_mm**3, 3 * 4 * n_mm**2, "h100_sxm", "fp32")
+floor = reference.predicted({"any kernel, at best": floor.value * 1e3}, "ms",
+                            floor.device, floor.measures,
+                            ["h100_sxm.fp32_tflops", "h100_sxm.memory_bandwidth_gbps"])
+for f in reference.show("01.matmul_2048_ms", unit="ms", local_device=device,
+                        local={k: v * 1e3 for k, v in times.items()} if on_gpu
+                        else None, figures=[floor]):
+    for k, v in f.value.items():
+        print(f"    {k:20} {v:8.3f} ms  {2 * n_mm**3 / (v / 1e3) / 1e12:6.1f} TFLOP/s")
 
 # %% [markdown]
 # ## 9. SIMD on the CPU, for contrast
