@@ -182,3 +182,11 @@ def sweep(
         highs.append(high)
     return Sweep(label=label, sizes=list(sizes), median=medians, iqr=iqrs,
                  low=lows, high=highs)
+
+
+def format_seconds(t: float) -> str:
+    """``850 ns``, ``12.3 us``, ``4.56 ms``, ``1.23 s``: never ``0.0000 s``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(t) >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t / 1e-9:.3g} ns"

@@ -46,11 +46,13 @@ from course_utils import (
     bench,
     check_fits,
     for_device,
+    plots,
+    predict,
     reference,
     sweep,
     try_gpu,
 )
-from course_utils.bench import Sweep, synchronize
+from course_utils.bench import Sweep, format_seconds, synchronize
 from course_utils.devices import (
     FP32_LANES_PER_SM,
     cpu_facts,
@@ -372,7 +374,12 @@ print("CPU seed/right ratio per size:", ", ".join(f"{r:.2f}" for r in cpu_ratio)
 # 4000, and the "right" column grows with it once the tensor is big enough to
 # keep the GPU busy, while the "seed" column does not follow the work - it
 # timed launches, plus the creation and copy of the tensor inside its timer.
-# Without a GPU, here are both measurements as recorded on one:
+# Without a GPU, here are the GPU columns as others give them: the seed's own
+# GPU column (*published* by its author: the unsynchronised kind), and the
+# *prediction* of the right column for an H100 from its memory bandwidth (and
+# both *recorded* where a GPU has recorded them). The seed's column is flat at
+# about 0.044 s from n = 4 to n = 4000, while the work grows a million-fold:
+# it timed the launches.
 
 # %%
 if on_gpu:
@@ -380,10 +387,30 @@ if on_gpu:
         reference.record(f"02.seed_table_{key}",
                          {"sizes": list(rows), "seconds": [rows[s][key] for s in rows]},
                          "s", device, note="1000 doublings of size x size float32")
-for key in ("gpu_seed", "gpu_right"):
-    for entry in reference.show(f"02.seed_table_{key}"):
-        pairs = zip(entry["value"]["sizes"], entry["value"]["seconds"], strict=True)
-        print("   ", ", ".join(f"{s}: {t:.4f} s" for s, t in pairs))
+def doubling_floor(size, steps=1000, gpu="h100_sxm"):
+    """Roofline floor of `steps` doublings of a size x size float32 tensor."""
+    one = predict.roofline_seconds(size * size, 2 * 4 * size * size, gpu)
+    return one.value * steps
+
+
+def curve_xy(value):
+    """(sizes, seconds) of a recorded table or a published/predicted curve."""
+    if "x" in value:
+        return value["x"], value["y"]
+    return value["sizes"], value.get("seconds") or value.get("median")
+
+
+seed_gpu = reference.published("seed000.gpu_add_loop_seconds")
+right_gpu = reference.predicted(
+    {"x": [4, 40, 400, 4000], "y": [doubling_floor(s) for s in (4, 40, 400, 4000)]},
+    "s", predict.gpu_name("h100_sxm"),
+    "roofline floor: 1000 x (read + write n x n float32) / HBM bandwidth; leaves "
+    "out the few microseconds each launch costs, so small sizes take longer",
+    ["h100_sxm.memory_bandwidth_gbps"])
+for key, extra in (("gpu_seed", seed_gpu), ("gpu_right", right_gpu)):
+    for fig in reference.show(f"02.seed_table_{key}", figures=[extra]):
+        pairs = zip(*curve_xy(fig.value), strict=True)
+        print("   ", ", ".join(f"{s}: {format_seconds(t)}" for s, t in pairs))
 
 # %% [markdown]
 # ### How long the queue is
@@ -412,8 +439,14 @@ if on_gpu:
               f"done after {t_total / n * 1e6:7.1f} us each")
     reference.record("02.launch_queue", queue_rows, "s", device,
                      note="[n, launch seconds, total seconds], add_ on 4096x4096")
-for entry in reference.show("02.launch_queue"):
-    for n, t_launch, t_total in entry["value"]:
+add_time = predict.roofline_seconds(4096**2, 2 * 4 * 4096**2, "h100_sxm")
+for fig in reference.show("02.launch_queue", unit="s", figures=[add_time]):
+    if fig.kind == "predicted":
+        print(f"    one add_ on 4096 x 4096 takes the GPU at least "
+              f"{format_seconds(fig.value)}: once the queue is full, launching slows "
+              "to that pace")
+        continue
+    for n, t_launch, t_total in fig.value:
         print(f"    {n:5d} launches: launching {t_launch / n * 1e6:7.1f} us each, "
               f"done after {t_total / n * 1e6:7.1f} us each")
 
@@ -509,8 +542,14 @@ if on_gpu:
         "no wait": stage_times[(str(device), False)],
         "waiting at the boundary": stage_times[(str(device), True)]},
         "s", device, note="8 chained 4096x4096 matmuls, then a CPU k-NN search")
-for e in reference.show("02.stage_timing"):
-    for how, t in e["value"].items():
+model_floor = predict.roofline_seconds(8 * 2 * 4096**3, 8 * 3 * 4 * 4096**2, "h100_sxm")
+for fig in reference.show("02.stage_timing", unit="s", figures=[model_floor]):
+    if fig.kind == "predicted":
+        print(f"    the model stage (8 matmuls) needs at least "
+              f"{format_seconds(fig.value)} on that GPU: a timer that shows less "
+              "timed the launches, not the work")
+        continue
+    for how, t in fig.value.items():
         print(f"    {how:<24}: model {t['model'] * 1e3:7.2f} ms, "
               f"search {t['search'] * 1e3:7.2f} ms")
 
@@ -585,8 +624,14 @@ if on_gpu:
 else:
     print("no GPU: the script that would run, in a fresh process each time:\n")
     print(ASYNC_ERROR)
-for e in reference.show("02.launch_blocking"):
-    for k, v in e["value"].items():
+documented = reference.predicted(
+    {"CUDA_LAUNCH_BLOCKING=0": "a later line that waits for the GPU (the .item())",
+     "CUDA_LAUNCH_BLOCKING=1": "the line that launched the faulty kernel"},
+    "line of the traceback", "any CUDA GPU",
+    "PyTorch docs, CUDA semantics (asynchronous execution): errors surface at the "
+    "next synchronising call unless CUDA_LAUNCH_BLOCKING=1 makes launches wait")
+for fig in reference.show("02.launch_blocking", figures=[documented]):
+    for k, v in fig.value.items():
         print(f"    {k}: the error is reported at {v}")
 
 # %% [markdown]
@@ -683,11 +728,12 @@ if on_gpu:
                      note="1000 a += a, time.time(), no sync, no warm-up")
 
 # %% [markdown]
-# Without a GPU, the GPU curves come from the references (when recorded). The
-# dashed line is the seed's kind of measurement made on that GPU (1000 steps,
-# `time.time()`, no synchronize): it does not follow the work, because it timed
-# launches - and, at the largest sizes, the creation and copy of the tensor that
-# sat inside its timer.
+# Without a GPU, the plot shows GPU curves of two other kinds: the roofline's
+# *prediction* for an H100 (the time the memory needs, with no launch overhead),
+# and the seed's own GPU measurement, *published* in its post (1000 steps,
+# `time.time()`, no synchronize). The seed's line does not follow the work,
+# because it timed launches - and the creation and copy of the tensor that sat
+# inside its timer. Recorded GPU curves join them where a GPU has recorded one.
 
 # %%
 def scaled(s, label, factor=1000):
@@ -698,42 +744,58 @@ def scaled(s, label, factor=1000):
 
 
 shown = [scaled(s, s.label) for s in curves]
-if not on_gpu:
-    for e in reference.show("02.doubling_sweep_gpu"):
-        v = e["value"]
+floor_curve = reference.predicted(
+    {"x": gpu_sizes, "y": [doubling_floor(s) for s in gpu_sizes]}, "s",
+    predict.gpu_name("h100_sxm"),
+    "roofline floor: 1000 x (read + write n x n float32) / HBM bandwidth, no "
+    "launch overhead", ["h100_sxm.memory_bandwidth_gbps"])
+gpu_figs = reference.show("02.doubling_sweep_gpu", unit="s",
+                          figures=[floor_curve, seed_gpu])
+for fig in gpu_figs:
+    if fig.kind == "recorded" and not on_gpu:
+        v = fig.value
         shown.append(scaled(Sweep("", v["sizes"], v["median"], v["iqr"],
-                                  v.get("low"), v.get("high")),
-                            f"{e['device']} (reference, {e['date']})"))
+                                  v.get("low"), v.get("high")), fig.legend))
 ax = plot_time_vs_size(shown, xlabel="tensor size n (n x n float32)",
                        ylabel="time for 1000 doublings (s)",
                        title="a += a, 1000 times: synchronised median x 1000")
-seed_entries = reference.lookup("02.seed_style_sweep_gpu")
+ax.plot(*curve_xy(floor_curve.value), color="tab:green", label=floor_curve.legend,
+        **plots.figure_style("predicted"))
+ax.plot(*curve_xy(seed_gpu.value), color="black",
+        label=seed_gpu.legend + " (the seed's way: no sync)",
+        **plots.figure_style("published"))
 if on_gpu:
     ax.plot(gpu_sizes, seed_style, "k--", marker="x", label="GPU, seed's way (no sync)")
-for e in ([] if on_gpu else seed_entries):
-    ax.plot(e["value"]["sizes"], e["value"]["seconds"], "k--", marker="x",
-            label=f"{e['device']}, seed's way (reference)")
-if len(ax.lines) == 1:
-    ax.text(0.02, 0.9, "no GPU here and no GPU reference recorded yet",
-            transform=ax.transAxes, fontsize=8)
-ax.legend(fontsize=8, loc="lower right")
+for fig in ([] if on_gpu else reference.recorded("02.seed_style_sweep_gpu")):
+    ax.plot(fig.value["sizes"], fig.value["seconds"], color="gray", marker="x",
+            label=f"{fig.legend}, seed's way (no sync)")
+ax.legend(fontsize=7, loc="upper left")
 plt.show()
 
 # %% [markdown]
 # Where the curves cross is where the GPU starts to pay off. Below it, a GPU step
 # costs a roughly fixed launch overhead (microseconds) while the CPU finishes a
 # small tensor faster than that; above it, the GPU's memory bandwidth - many times
-# the CPU's - wins by a growing factor. The cell computes the crossing from the
-# two curves, measured here or from the reference:
+# the CPU's - wins, by a factor that grows with the size and then levels off:
+# once both are memory-bound, each step moves the same bytes, so the ratio
+# tends to the ratio of the two memory bandwidths. The cell computes the
+# crossing from a GPU curve measured here or recorded, and otherwise the
+# bandwidth ratio from the prediction:
 
 # %%
 gpu_curve = (gpu_sweep.sizes, gpu_sweep.median) if on_gpu else None
 for e in ([] if on_gpu else reference.lookup("02.doubling_sweep_gpu")):
     gpu_curve = (e["value"]["sizes"], e["value"]["median"])
 if gpu_curve is None:
-    print("no GPU curve (no GPU here, no reference recorded yet): no crossing to "
-          "compute. Smallest CPU step here: "
-          f"{min(cpu_sweep.median) * 1e6:.2f} us at n = {cpu_sizes[0]}")
+    n_big = cpu_sizes[-1]
+    cpu_big = cpu_sweep.median[-1]
+    gpu_big = doubling_floor(n_big, steps=1)
+    print("no measured or recorded GPU curve: the crossing needs a GPU's launch "
+          "overhead, which the prediction leaves out.")
+    print(f"at n = {n_big}: CPU here {format_seconds(cpu_big)} per step, H100 "
+          f"predicted {format_seconds(gpu_big)} (memory-bound): "
+          f"{cpu_big / gpu_big:.0f}x, the ratio of the two memory bandwidths - the "
+          "most a larger size can give")
 else:
     gpu_at = dict(zip(*gpu_curve, strict=True))
     common = [s for s in cpu_sizes if s in gpu_at]
@@ -821,8 +883,15 @@ if on_gpu:
         print(f"{device}: {name:<22} {t * 1e6:8.1f} us per step")
     reference.record("02.item_per_step", gpu_epoch, "s/step", device,
                      note="MLP 256-512-1, batch 128, SGD")
-for e in reference.show("02.item_per_step"):
-    v = e["value"]
+overlap = reference.predicted(
+    2.0, "x (at most)", "any CUDA GPU",
+    "launching (CPU) and computing (GPU) overlap without the per-step read and "
+    "add up with it: ratio = (launch + compute) / max(launch, compute), at most 2, "
+    "reached when the two are equal")
+for fig in reference.show("02.item_per_step", figures=[overlap]):
+    if fig.kind == "predicted":
+        continue
+    v = fig.value
     print(f"    .item() every step: {v['epoch_item_every_step'] * 1e6:.1f} us/step, "
           f"sync once: {v['epoch_sync_once'] * 1e6:.1f} us/step, ratio "
           f"{v['epoch_item_every_step'] / v['epoch_sync_once']:.2f}")
@@ -927,9 +996,15 @@ if on_gpu:
     print(f"{device}:", ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in gpu_soft.items()),
           f"| dim=0 / dim=-1 = {gpu_soft['dim=0'] / gpu_soft['dim=-1']:.2f}")
     reference.record("02.softmax_16384", gpu_soft, "s", device)
-for e in reference.show("02.softmax_16384"):
-    v = e["value"]
-    print(f"    16384 x 16384: dim=0 / dim=-1 = {v['dim=0'] / v['dim=-1']:.2f}")
+seed_soft = reference.published("seed003.softmax_dim_seconds")
+for fig in reference.show("02.softmax_16384", figures=[seed_soft]):
+    v = fig.value
+    if fig.kind == "published":  # the seed's 50000 x 50000, four runs
+        ratios = [r["dim0_s"] / r["dim_last_s"] for r in v]
+        print(f"    50000 x 50000, {len(v)} runs: dim=0 / dim=-1 = "
+              + ", ".join(f"{r:.2f}" for r in ratios))
+    else:
+        print(f"    16384 x 16384: dim=0 / dim=-1 = {v['dim=0'] / v['dim=-1']:.2f}")
 
 # %% [markdown]
 # Read the printed ratio: above 1, the strided reduction is slower on that
@@ -1061,9 +1136,11 @@ if on_gpu:
           "| memory", "unknown" if g_bw_peak is None else f"{g_bw_peak / 1e9:.0f} GB/s")
     reference.record("02.roofline_gpu", gpu_roof, "FLOP/s", device,
                      note="float32; points are [FLOP/byte, FLOP/s, n]")
-for e in reference.show("02.roofline_gpu"):
-    if gpu_roof is None:
-        gpu_roof = dict(e["value"], label=f"{e['device']} (reference, {e['date']})")
+h100_peak = reference.published("h100_sxm.fp32_tflops")
+h100_bw = reference.published("h100_sxm.memory_bandwidth_gbps")
+for fig in reference.show("02.roofline_gpu", figures=[h100_peak, h100_bw]):
+    if fig.kind == "recorded" and gpu_roof is None:
+        gpu_roof = dict(fig.value, label=fig.legend)
 
 # %%
 def draw_roofline(ax, peak, bw, color, label, bw_note):
@@ -1097,9 +1174,8 @@ if gpu_roof is not None:
         for intensity, flops, n in pts:
             ax.annotate(f"{n}", (intensity, flops), fontsize=7, xytext=(4, -3),
                         textcoords="offset points", color="tab:green")
-else:
-    ax.text(0.02, 0.95, "no GPU here and\nno GPU reference recorded yet",
-            transform=ax.transAxes, fontsize=8, va="top")
+draw_roofline(ax, h100_peak.value * 1e12, h100_bw.value * 1e9, "tab:gray",
+              f"{h100_peak.device}", "published datasheet peaks")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")

@@ -83,3 +83,13 @@ def test_sweep_returns_plain_lists():
         assert low <= median <= high and high - low == pytest.approx(iqr)
     s2 = sweep(lambda n: n * 1e-3, [1, 2], progress=False)
     assert s2.median == [1e-3, 2e-3]
+
+
+def test_format_seconds_picks_a_readable_unit():
+    from course_utils.bench import format_seconds
+
+    assert format_seconds(1.234) == "1.23 s"
+    assert format_seconds(0.00456) == "4.56 ms"
+    assert format_seconds(12.3e-6) == "12.3 us"
+    assert format_seconds(8.5e-7) == "850 ns"
+    assert format_seconds(0) == "0 ns"
