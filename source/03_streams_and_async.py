@@ -40,6 +40,7 @@
 
 # %%
 import multiprocessing as mp
+import textwrap
 import threading
 import time
 
@@ -47,7 +48,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from course_utils import banner, bench, reference, try_all_gpus, try_gpu
+from course_utils import banner, bench, predict, reference, try_all_gpus, try_gpu
 from course_utils.checks.ch03 import (
     check_choose_num_workers,
     check_consume_when_ready,
@@ -76,30 +77,55 @@ def overlap_seconds(a, b):
     return max(0.0, min(a[2], b[2]) - max(a[1], b[1]))
 
 
-def gpu_results(name, local=None):
-    """[(label, value)]: this run's GPU result (if any), then recorded references."""
-    out, here = [], None
-    if local is not None:
-        here = torch.cuda.get_device_name(device)
-        out.append((f"measured here on {here}", local))
-    for entry in reference.show(name):
-        if reference.recording() and entry["device"] == here:
-            continue  # that is the run above, just recorded
-        out.append((f"recorded on {reference.label(entry)}", entry["value"]))
-    return out
+def gpu_results(name, local=None, figures=()):
+    """[(label, value)]: this run's GPU result, recorded ones, then `figures`.
+
+    `figures` are published or predicted GPU figures (`reference.Figure`), so
+    that a learner without a GPU always sees at least one, labelled by kind.
+    Each is also printed, with its label, by `reference.show`.
+    """
+    here = device if local is not None else "cpu"
+    return [(f.label, f.value) for f in reference.show(
+        name, local=local, unit="", local_device=here, figures=list(figures))]
 
 
-def show_timelines(name, local, panels, title, describe=None):
+def show_gpu(name, figures, print_value):
+    """Print every GPU figure of `name` (recorded ones and `figures`) in detail."""
+    for fig in reference.show(name, figures=list(figures)):
+        print_value(fig.value)
+
+
+H100 = predict.gpu_name("h100_sxm")
+H100_SMS = reference.published_entry("h100_sxm.sm_count")["value"]
+
+
+def matmul_seconds(n):
+    """Roofline floor of one n x n float32 matmul on an H100."""
+    return predict.roofline_seconds(2 * n**3, 3 * 4 * n * n, "h100_sxm").value
+
+
+def two_stream_speedup(n, tile=128):
+    """Speed-up of two concurrent matmuls over one after the other.
+
+    A matmul kernel hands each SM tiles of the output (`tile` x `tile` is an
+    assumed, typical size); one that has fewer tiles than SMs leaves SMs idle
+    for a second stream to use.
+    """
+    tiles = max(1, (n // tile) ** 2)
+    return min(2 * tiles, H100_SMS) / min(tiles, H100_SMS)
+
+
+def show_timelines(name, local, panels, title, describe=None, figures=()):
     """For each result of `name`: one figure, a timeline per (key, panel title).
 
     `describe(value)`, if given, returns a line printed under each figure.
     """
-    for source, value in gpu_results(name, local):
+    for source, value in gpu_results(name, local, figures):
         fig, axes = plt.subplots(len(panels), 1, figsize=(8, 1.9 * len(panels) + 0.6),
                                  sharex=True, squeeze=False)
         for ax, (key, panel_title) in zip(axes[:, 0], panels, strict=True):
             plot_timeline(value[key], ax=ax, title=panel_title)
-        fig.suptitle(f"{title}\n{source}", fontsize=10)
+        fig.suptitle(f"{title}\n{textwrap.shorten(source, 110)}", fontsize=9)
         fig.tight_layout()
         plt.show()
         if describe is not None:
@@ -232,9 +258,22 @@ if HAS_CUDA:
         print(f"{k:>12}: {v:,.0f}")
     print(race_verdict(race))
     reference.record("03.race", race, "sum of a 2048x2048 tensor of ones", device)
-for entry in reference.show("03.race"):
-    print("  ", {k: f"{v:,.0f}" for k, v in entry["value"].items()})
-    print("  ", race_verdict(entry["value"]))
+race_rule = reference.predicted(
+    {"expected": 2048 * 2048, "none": "less (read while still being written)",
+     "wait_stream": 2048 * 2048, "event": 2048 * 2048, "synchronize": 2048 * 2048},
+    "sum of a 2048x2048 tensor of ones", "any CUDA GPU",
+    "CUDA semantics: streams are unordered unless a wait_stream, an event or a "
+    "synchronize orders them")
+
+
+def print_race(value):
+    print("  ", {k: f"{v:,.0f}" if isinstance(v, (int, float)) else v
+                 for k, v in value.items()})
+    if all(isinstance(v, (int, float)) for v in value.values()):
+        print("  ", race_verdict(value))
+
+
+show_gpu("03.race", [race_rule], print_race)
 
 # %% [markdown]
 # **The CPU analogue of the race.** Two Python threads play the two streams:
@@ -321,9 +360,22 @@ if HAS_CUDA:
         print(f"{k:>22}: {v:,.0f}")
     print(allocator_verdict(alloc))
     reference.record("03.allocator_race", alloc, "sum of a tensor of ones", device)
-for entry in reference.show("03.allocator_race"):
-    print("  ", {k: f"{v:,.0f}" for k, v in entry["value"].items()})
-    print("  ", allocator_verdict(entry["value"]))
+alloc_rule = reference.predicted(
+    {"without record_stream": "may be less: the memory is reused while the side "
+     "stream still reads it", "with record_stream": "always the full sum"},
+    "sum of a tensor of ones", "any CUDA GPU",
+    "PyTorch docs (Tensor.record_stream): the caching allocator reuses a freed "
+    "block on its own stream unless the tensor is marked as used by another")
+
+
+def print_alloc(value):
+    print("  ", {k: f"{v:,.0f}" if isinstance(v, (int, float)) else v
+                 for k, v in value.items()})
+    if all(isinstance(v, (int, float)) for v in value.values()):
+        print("  ", allocator_verdict(value))
+
+
+show_gpu("03.allocator_race", [alloc_rule], print_alloc)
 
 # %% [markdown]
 # ## 3. Two independent matmuls on two streams
@@ -403,7 +455,23 @@ if HAS_CUDA:
     timelines = {"one_stream": two_matmuls(1024, 4, False)[1],
                  "two_streams": two_matmuls(1024, 4, True)[1]}
     reference.record("03.two_streams_timeline", timelines, "s", device)
-for source, v in gpu_results("03.two_streams", sweep_result if HAS_CUDA else None):
+stream_sizes = [256, 512, 1024, 2048, 4096, 8192]
+predicted_sweep = reference.predicted(
+    {"sizes": stream_sizes,
+     "one_stream_s": [2 * matmul_seconds(n) * two_stream_speedup(n)
+                      for n in stream_sizes],
+     "two_streams_s": [2 * matmul_seconds(n) for n in stream_sizes]},
+    "s", H100,
+    "two matmuls at the roofline's pace; one stream runs them one after the "
+    "other, two streams at once as far as SMs are free: speed-up = min(2 tiles, "
+    "SMs) / min(tiles, SMs), 128 x 128 output tiles assumed",
+    ["h100_sxm.sm_count", "h100_sxm.fp32_tflops"])
+seed_streams = reference.published("seed003.matmul_one_vs_two_streams_seconds")
+print("the seed's runs (published, GPU and sizes not stated): "
+      + "; ".join(f"one stream {r['one_stream_s']:.2f} s, two {r['multiple_streams_s']:.2f} s"
+                  for r in seed_streams.value if r["one_stream_s"]))
+for source, v in gpu_results("03.two_streams", sweep_result if HAS_CUDA else None,
+                             [predicted_sweep]):
     speedup = [t1 / t2 for t1, t2 in zip(v["one_stream_s"], v["two_streams_s"],
                                          strict=True)]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -414,8 +482,8 @@ for source, v in gpu_results("03.two_streams", sweep_result if HAS_CUDA else Non
     ax.set_xticks(v["sizes"], [str(n) for n in v["sizes"]])
     ax.set_xlabel("matrix size n (n x n matmuls, log scale)")
     ax.set_ylabel("one stream time / two streams time")
-    ax.set_title(f"Speed-up of two streams for two independent matmuls\n{source}",
-                 fontsize=10)
+    ax.set_title("Speed-up of two streams for two independent matmuls\n"
+                 + textwrap.shorten(source, 110), fontsize=9)
     ax.grid(True, alpha=0.3)
     plt.show()
 
@@ -425,11 +493,16 @@ for source, v in gpu_results("03.two_streams", sweep_result if HAS_CUDA else Non
 # single matmul has too few output tiles to keep every SM busy. For the
 # smallest sizes both runs may be limited by how fast Python can queue
 # kernels (a few microseconds each), and then streams cannot help either.
-# The timelines below show the same thing kernel by kernel: bars in two rows
-# at the same time are kernels that really ran at once. (`torch.profiler`
-# records the same kind of per-kernel spans, and more, and can export them
-# as a trace to open in a browser; events around each kernel are enough
-# here.)
+# The timelines below show the same thing kernel by kernel - with a caveat
+# about what a span is. Each bar runs from an event recorded just before a
+# matmul to one recorded just after it: the times at which *that stream
+# reached* those two points. A stream reaches the first event when the work
+# queued before it is done, so a bar can start before its kernel gets any
+# SM and end after it finished; overlapping bars in two rows mean the two
+# streams were *inside* their matmuls at once, which is close to, but not
+# proof of, kernels running at once. `torch.profiler` records when each
+# kernel really ran on the GPU (and exports a trace to open in a browser):
+# use it to settle a doubt. Without a GPU the timelines are the model's.
 
 # %%
 def both_streams_busy(timelines):
@@ -444,11 +517,34 @@ def both_streams_busy(timelines):
     return "time with both streams running a matmul - " + "; ".join(parts)
 
 
+def predicted_spans(n, reps, two_streams):
+    """Spans (lane, start, end, label) of reps x (A@B, C@D) as the model runs them."""
+    t = matmul_seconds(n)
+    spans, clock = [], 0.0
+    together = two_streams and two_stream_speedup(n) > 1.5
+    for _ in range(reps):
+        if together:
+            spans += [("default stream", clock, clock + t, "A@B"),
+                      ("side stream", clock, clock + t, "C@D")]
+            clock += t
+        else:
+            lane = "side stream" if two_streams else "default stream"
+            spans += [("default stream", clock, clock + t, "A@B"),
+                      (lane, clock + t, clock + 2 * t, "C@D")]
+            clock += 2 * t
+    return spans
+
+
+predicted_timelines = reference.predicted(
+    {"one_stream": predicted_spans(1024, 4, False),
+     "two_streams": predicted_spans(1024, 4, True)},
+    "s", H100, "the two-stream model above for n = 1024 (64 tiles, 132 SMs)",
+    ["h100_sxm.sm_count", "h100_sxm.fp32_tflops"])
 show_timelines("03.two_streams_timeline", timelines if HAS_CUDA else None,
                [("one_stream", "A@B and C@D on ONE stream"),
                 ("two_streams", "A@B on the default stream, C@D on a side stream")],
-               "4 x (A@B, C@D), 1024x1024 matmuls, from CUDA events",
-               describe=both_streams_busy)
+               "4 x (A@B, C@D), 1024x1024 matmuls",
+               describe=both_streams_busy, figures=[predicted_timelines])
 
 # %% [markdown]
 # ### The CPU analogue: two matmuls in two threads
@@ -574,7 +670,17 @@ if HAS_CUDA:
           "pageable_GBps": [h2d_gbps(b, False) for b in nbytes],
           "pinned_GBps": [h2d_gbps(b, True) for b in nbytes]}
     reference.record("03.h2d_bandwidth", bw, "GB/s", device)
-for source, v in gpu_results("03.h2d_bandwidth", bw if HAS_CUDA else None):
+h2d_sizes = [2**k for k in range(16, 29, 2)]
+pcie = predict.link_bandwidth("pcie4_x16") / 1e9
+predicted_h2d = reference.predicted(
+    {"bytes": h2d_sizes, "pinned_GBps": [pcie] * len(h2d_sizes),
+     "pageable_GBps": [pcie / 2] * len(h2d_sizes)},
+    "GB/s", "a GPU on PCIe 4.0 x16",
+    "pinned copies at the link's bandwidth; pageable ones go through a pinned "
+    "staging buffer, a second copy, so at most about half (no latency: small "
+    "copies are slower)", ["pcie4_x16.bandwidth_per_direction_gbps"])
+for source, v in gpu_results("03.h2d_bandwidth", bw if HAS_CUDA else None,
+                             [predicted_h2d]):
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.plot(v["bytes"], v["pageable_GBps"], marker="o", label="pageable")
     ax.plot(v["bytes"], v["pinned_GBps"], marker="o", label="pinned")
@@ -583,7 +689,8 @@ for source, v in gpu_results("03.h2d_bandwidth", bw if HAS_CUDA else None):
                                for b in v["bytes"]])
     ax.set_xlabel("size of the copy (log scale)")
     ax.set_ylabel("host-to-device bandwidth (GB/s)")
-    ax.set_title(f"Pinned vs pageable host-to-device copies\n{source}", fontsize=10)
+    ax.set_title("Pinned vs pageable host-to-device copies\n"
+                 + textwrap.shorten(source, 110), fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
     plt.show()
@@ -672,9 +779,18 @@ if HAS_CUDA:
         print(f"{mode:>32}: {seconds * 1e3:7.1f} ms, every copy right: {right}")
     reference.record("03.copy_compute", copy_results, "s", device)
     reference.record("03.copy_compute_timeline", copy_timelines, "s", device)
-for entry in reference.show("03.copy_compute"):
-    for mode, sec in entry["value"].items():
-        print(f"  {mode:>32}: {sec * 1e3:7.1f} ms")
+mm = matmul_seconds(4096)
+cp = predict.copy_seconds(4 * 4096 * 4096, "pcie4_x16").value
+copy_rule = reference.predicted(
+    {"pageable, one stream": 8 * mm + 8 * 2 * cp,
+     "pinned non_blocking, one stream": 8 * mm + 8 * cp,
+     "copy stream": 8 * max(mm, cp) + min(mm, cp)},
+    "s", "an H100 on PCIe 4.0 x16",
+    "8 matmuls at the roofline's pace, 8 copies of 64 MiB at PCIe's pace (pageable "
+    "at half); one stream adds them up, a copy stream overlaps each copy with the "
+    "next matmul", ["h100_sxm.fp32_tflops", "pcie4_x16.bandwidth_per_direction_gbps"])
+show_gpu("03.copy_compute", [copy_rule], lambda v: [
+    print(f"  {mode:>32}: {sec * 1e3:7.1f} ms") for mode, sec in v.items()])
 def hidden_copy_time(timelines):
     """For each mode: the share of the copy time that ran under a matmul."""
     parts = []
@@ -686,10 +802,33 @@ def hidden_copy_time(timelines):
     return "copy time hidden under compute - " + "; ".join(parts)
 
 
+def predicted_copy_spans(mode):
+    spans, t = [], 0.0
+    cp_mode = 2 * cp if mode.startswith("pageable") else cp
+    for i in range(8):
+        spans.append(("compute", i * mm, (i + 1) * mm, f"y{i}"))
+    if mode == "copy stream":  # each copy as soon as its matmul is done
+        t = 0.0
+        for i in range(8):
+            t = max(t, (i + 1) * mm)
+            spans.append(("copy", t, t + cp_mode, f"y{i}"))
+            t += cp_mode
+    else:  # the seed's order: every copy after every matmul
+        t = 8 * mm
+        for i in range(8):
+            spans.append(("copy", t, t + cp_mode, f"y{i}"))
+            t += cp_mode
+    return spans
+
+
+copy_timeline_rule = reference.predicted(
+    {mode: predicted_copy_spans(mode) for mode in MODES}, "s",
+    "an H100 on PCIe 4.0 x16", "the copy model above, span by span",
+    ["h100_sxm.fp32_tflops", "pcie4_x16.bandwidth_per_direction_gbps"])
 show_timelines("03.copy_compute_timeline", copy_timelines if HAS_CUDA else None,
                [(mode, mode) for mode in MODES],
-               "8 matmuls (4096x4096) and their copies to the CPU, from CUDA events",
-               describe=hidden_copy_time)
+               "8 matmuls (4096x4096) and their copies to the CPU",
+               describe=hidden_copy_time, figures=[copy_timeline_rule])
 
 # %% [markdown]
 # Look for: in the two one-stream timelines the copy lane starts only when the
@@ -733,8 +872,13 @@ if HAS_CUDA:
     for k, v in trap.items():
         print(f"{k}: {v:.0%} of the host tensor holds the right value")
     reference.record("03.d2h_trap", trap, "fraction of correct values", device)
-for entry in reference.show("03.d2h_trap"):
-    print("  ", {k: f"{v:.0%} correct" for k, v in entry["value"].items()})
+trap_rule = reference.predicted(
+    {"read at once": "some or none (the copy has not run yet)",
+     "read after event.synchronize()": 1.0},
+    "fraction of correct values", "any CUDA GPU",
+    "CUDA semantics: a device-to-host non_blocking copy returns before it runs")
+show_gpu("03.d2h_trap", [trap_rule], lambda v: print("  ", {
+    k: f"{x:.0%} correct" if isinstance(x, float) else x for k, x in v.items()}))
 
 # %% [markdown]
 # ## 7. Two devices at once
@@ -813,10 +957,21 @@ if HAS_CUDA:
         print(f"{k:>30}: {v * 1e3:7.1f} ms")
     concurrency_summary(timings)
     reference.record("03.two_devices", timings, "s", device)
-for entry in reference.show("03.two_devices"):
-    for k, v in entry["value"].items():
+gpu_40 = 40 * matmul_seconds(4096)
+devices_rule = reference.predicted(
+    {"GPU 0 alone": gpu_40, "GPU 1 alone": gpu_40, "GPU 0 and GPU 1": gpu_40},
+    "s", "two H100s", "40 matmuls of 4096 at the roofline's pace on each; with no "
+    "synchronize between them the two queues run at once: both take as long as one",
+    ["h100_sxm.fp32_tflops"])
+
+
+def print_devices(value):
+    for k, v in value.items():
         print(f"  {k:>30}: {v * 1e3:7.1f} ms")
-    concurrency_summary(entry["value"])
+    concurrency_summary(value)
+
+
+show_gpu("03.two_devices", [devices_rule], print_devices)
 
 # %% [markdown]
 # Look for: the time for both is close to the larger of the two alone, not
