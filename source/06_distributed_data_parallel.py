@@ -46,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import psutil
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course_utils import banner, for_device, reference
+from course_utils import banner, for_device, plots, predict, reference
 from course_utils.bench import Sweep
 from course_utils.checks.ch06 import (
     check_average_gradients,
@@ -676,20 +677,40 @@ print(f"best algorithmic bandwidth at {best[0]:,d} bytes: "
       f"{rows[-1][0] // rows[0][0]:,d} x the bytes")
 
 # %%
-entries = reference.show("06.allreduce_2gpu")
-curves = [Sweep(f"{backend}, 2 ranks, median (this machine)", [r[0] for r in rows],
-                [r[2] for r in rows], [r[4] - r[3] for r in rows],
-                low=[r[3] for r in rows], high=[r[4] for r in rows]),
-          Sweep(f"{backend}, 2 ranks, fastest (this machine)", [r[0] for r in rows],
-                [r[1] for r in rows], [0.0] * len(rows))]
-for e in entries:  # the GPU references, when one has been recorded
-    curves.append(Sweep(f"nccl, 2 GPUs, fastest ({e['device']})",
-                        [v[0] for v in e["value"]], [v[1] for v in e["value"]],
-                        [0.0] * len(e["value"])))
-plot_time_vs_size(curves, xlabel="message size (bytes)",
-                  ylabel="time per all_reduce (s)",
-                  title="all_reduce time vs message size (median with quartile band, "
-                        "and fastest)");
+sizes = [r[0] for r in rows]
+ring = {link: reference.predicted(
+            [predict.ring_allreduce_seconds(b, 2, link).value for b in sizes], "s",
+            f"2 GPUs over {name}",
+            "ring all-reduce bandwidth term 2(n-1)/n x bytes / link bandwidth "
+            f"({predict.link_bandwidth(link) / 1e9:.4g} GB/s each way), n = 2, "
+            "no per-message latency (small messages take longer)",
+            [predict.LINKS[link][0]])
+        for link, name in (("nvlink_h100", "NVLink 4 (H100)"),
+                           ("pcie4_x16", "PCIe 4.0 x16"))}
+figures = reference.show("06.allreduce_2gpu", local=rows[-1][1], unit="s",
+                         figures=list(ring.values()))
+print(f"at the largest message, {sizes[-1]:,d} bytes: measured here "
+      f"{rows[-1][1] * 1e6:,.0f} us (fastest run); predicted "
+      + ", ".join(f"{f.device} {f.value[-1] * 1e6:,.1f} us" for f in ring.values()))
+US = 1e6  # plotted in microseconds
+curves = [Sweep(f"{backend}, 2 ranks, median (measured here)", sizes,
+                [r[2] * US for r in rows], [(r[4] - r[3]) * US for r in rows],
+                low=[r[3] * US for r in rows], high=[r[4] * US for r in rows]),
+          Sweep(f"{backend}, 2 ranks, fastest (measured here)", sizes,
+                [r[1] * US for r in rows], [0.0] * len(rows))]
+for f in figures:
+    if f.kind == "recorded":  # rows of [bytes, fastest, median, quartiles]
+        curves.append(Sweep(f"nccl, {f.legend}", [v[0] for v in f.value],
+                            [v[1] * US for v in f.value], [0.0] * len(f.value)))
+ax = plot_time_vs_size(curves, xlabel="message size (bytes)",
+                       ylabel="time per all_reduce (us)",
+                       title="all_reduce time vs message size (median with quartile "
+                             "band, and fastest)")
+for fig, color in zip(ring.values(), ("tab:green", "tab:purple"), strict=True):
+    ax.plot(sizes, [t * US for t in fig.value], color=color, label=fig.legend,
+            **plots.figure_style("predicted"))
+ax.legend(fontsize=7)
+plt.show()
 
 # %% [markdown]
 # ## 6. Key-value stores
