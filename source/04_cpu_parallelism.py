@@ -1,0 +1,660 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 4: Parallelism on the CPU
+#
+# **What you will learn**
+#
+# - What a process and a thread share, and what each costs to start; what it
+#   costs to send data to another process (pickling).
+# - The GIL, measured: which work runs in parallel in threads, and which does
+#   not - read from CPU seconds against wall seconds, whatever the machine's load.
+# - Seed 000's serial / `Pool` / `Process` experiment, with its timing bugs fixed,
+#   and the one result that beats them all: a vectorised line.
+# - `concurrent.futures`, chunk sizes, start methods (fork, spawn, forkserver) in
+#   a notebook, and torch's own threads (intra-op) against processes.
+#
+# **Hardware.** None needed: everything here runs for real on the CPU you have.
+# A 2-core laptop cannot show scaling to many cores; where that matters, the
+# chapter adds a labelled prediction for a larger machine.
+
+# %%
+import concurrent.futures as cf
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from course_utils import banner, reference
+from course_utils.bench import format_seconds
+from course_utils.checks.ch04 import (
+    check_chunk_bounds,
+    check_cpu_and_wall,
+    check_parallel_map,
+)
+from course_utils.devices import usable_cores
+from course_utils.dist import pool, pool_initializer
+
+banner()
+CORES = usable_cores()
+print(f"usable cores: {CORES}")
+
+# %% [markdown]
+# ## 1. Processes and threads
+#
+# A **process** has its own memory: its own Python interpreter, its own
+# objects. Two processes share nothing unless they ask (a pipe, a file, shared
+# memory). A **thread** lives inside a process and shares all of its memory with
+# the process's other threads: no copying, but also no protection - two threads
+# can change the same object at once.
+#
+# Starting one costs something. On Linux a new process is usually **forked**:
+# a copy of this one, made cheap by sharing memory pages until one side writes
+# to them. A thread is cheaper still. A `Pool` starts several processes at once
+# and keeps them for many tasks. We measure each, the fastest of several tries
+# (the others were slowed down by something else on the machine).
+
+# %%
+def noop():
+    pass
+
+
+def fastest(make, tries=5):
+    """The fastest of `tries` runs of make(): start-up costs without noise."""
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        make()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def start_thread():
+    t = threading.Thread(target=noop)
+    t.start()
+    t.join()
+
+
+def start_process():
+    p = mp.get_context("fork").Process(target=noop)
+    p.start()
+    p.join(timeout=10)
+
+
+def start_pool():
+    with pool(2) as p:
+        p.map_async(abs, [1, 2]).get(timeout=10)
+
+
+costs = {"thread (start + join)": fastest(start_thread),
+         "forked process (start + join)": fastest(start_process),
+         "pool of 2 processes (create, one map, close)": fastest(start_pool, 3)}
+for what, t in costs.items():
+    print(f"{what:46} {format_seconds(t):>10}")
+ratio = costs["forked process (start + join)"] / costs["thread (start + join)"]
+print(f"a process costs {ratio:.0f}x a thread to start here")
+
+# %% [markdown]
+# A process is tens to hundreds of times dearer than a thread. That is cheap
+# for a task of a second, and ruinous for a task of a microsecond.
+#
+# **Sending data** to a process costs more than starting it: arguments and
+# results cross the process boundary as bytes, made by `pickle`. The time
+# grows with the payload, and both sides pay it (one to pickle, one to
+# unpickle). A thread would just pass a reference.
+
+# %%
+payload_sizes = [10**3, 10**5, 10**6, 10**7]
+pickling = []
+for n in payload_sizes:
+    arr = np.random.default_rng(0).integers(1, 7, n)
+    t = fastest(lambda arr=arr: pickle.loads(pickle.dumps(arr)), tries=3)
+    pickling.append(t)
+    print(f"{arr.nbytes / 1e6:8.3f} MB: pickle + unpickle {format_seconds(t):>10} "
+          f"({arr.nbytes / t / 1e9:.2f} GB/s)")
+
+# %% [markdown]
+# So a worker pays, per task, the pickling of its argument and of its result
+# on top of the work. Torch tensors can avoid it: `tensor.share_memory_()`
+# moves a tensor to shared memory, and a forked worker that writes into it
+# writes where the parent reads - no copy in either direction:
+
+# %%
+shared = torch.zeros(8).share_memory_()
+
+
+def fill(rank, out):
+    out[rank * 4:(rank + 1) * 4] = rank + 1  # each worker writes its own half
+
+
+workers = [mp.get_context("fork").Process(target=fill, args=(r, shared))
+           for r in range(2)]
+for w in workers:
+    w.start()
+for w in workers:
+    w.join(timeout=10)
+print("written by two processes, read here without a copy:", shared.tolist())
+
+# %% [markdown]
+# ## 2. The GIL, measured
+#
+# CPython runs Python bytecode in one thread at a time: a thread must hold the
+# **global interpreter lock** (GIL) to run it. So threads that run Python code
+# take turns. But a thread that waits (for I/O, a sleep, a lock) releases the
+# GIL, and so do extensions that do long work in C without touching Python
+# objects - torch's operators, most of numpy's. Three kinds of task, four of
+# each, on 1 and on 2 threads. For each run the cell prints the wall time and
+# the **CPU seconds** the process used: CPU seconds / wall seconds is how many
+# cores were busy on average. That tells whether work ran in parallel at all,
+# whatever else the machine was doing.
+
+# %%
+def python_loop():
+    total = 0
+    for i in range(300_000):
+        total += i * i
+    return total
+
+
+A = torch.randn(256, 256)
+
+
+def torch_matmuls():
+    for _ in range(20):
+        A @ A
+
+
+def wait():
+    time.sleep(0.05)
+
+
+def run_in_threads(task, n_tasks, n_threads):
+    """Run n_tasks calls of task on n_threads threads; (wall s, CPU s)."""
+    per_thread = [n_tasks // n_threads + (i < n_tasks % n_threads)
+                  for i in range(n_threads)]
+
+    def worker(k):
+        for _ in range(k):
+            task()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in per_thread]
+    w0, c0 = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+torch_threads = torch.get_num_threads()
+torch.set_num_threads(1)  # one core per matmul: threads are the only parallelism
+gil_rows = {}
+try:
+    for name, task in (("pure-Python loop", python_loop),
+                       ("torch matmul (releases the GIL)", torch_matmuls),
+                       ("waiting (sleep)", wait)):
+        task()  # warm-up
+        one = min((run_in_threads(task, 4, 1) for _ in range(2)), key=lambda r: r[0])
+        two = min((run_in_threads(task, 4, 2) for _ in range(2)), key=lambda r: r[0])
+        gil_rows[name] = (one, two)
+finally:
+    torch.set_num_threads(torch_threads)
+print(f"{'4 tasks':32} {'1 thread':>10} {'2 threads':>10} {'speed-up':>9} "
+      f"{'busy cores (2 threads)':>23}")
+for name, ((w1, _), (w2, c2)) in gil_rows.items():
+    print(f"{name:32} {format_seconds(w1):>10} {format_seconds(w2):>10} "
+          f"{w1 / w2:8.2f}x {c2 / w2:14.2f}")
+
+# %%
+def gil_verdict(name, one, two):
+    (w1, _), (w2, c2) = one, two
+    busy = c2 / w2
+    if name.startswith("waiting"):
+        return (f"{name}: {w1 / w2:.1f}x with almost no CPU ({busy:.2f} busy cores) - "
+                "waiting threads overlap even on one core")
+    if busy > 1.3 and w1 / w2 > 1.1:
+        return (f"{name}: {busy:.1f} cores busy at once: ran in parallel, "
+                f"{w1 / w2:.2f}x faster")
+    if busy > 1.3:
+        return (f"{name}: {busy:.1f} cores busy at once, yet no faster "
+                f"({w1 / w2:.2f}x): other programs had the cores part of the time")
+    if CORES < 2:
+        return f"{name}: only one usable core here, so no parallel run is possible"
+    return (f"{name}: {busy:.1f} cores busy - took turns "
+            + ("(the GIL)" if "Python" in name else "(the other core was busy: "
+               "run it again on a quieter machine)"))
+
+
+for name, (one, two) in gil_rows.items():
+    print(gil_verdict(name, one, two))
+
+# %% [markdown]
+# Read the *busy cores* column, not only the speed-up. The pure-Python loop
+# keeps about one core busy however many threads run it: the GIL lets one
+# thread at a time run bytecode, and switching between them costs a little, so
+# two threads are often *slower*. The matmuls keep up to two cores busy, as
+# torch releases the GIL inside its operators. The sleeps use almost no CPU,
+# and still finish sooner on two threads: waiting overlaps on any machine.
+# (If the matmul row shows about one busy core, another program had the other
+# core: the verdict says so.)
+#
+# Python 3.13 and 3.14 come in an optional **free-threaded** build
+# (`python3.13t`) with no GIL, in which the pure-Python row would run in
+# parallel too. It is new, slower for single-threaded code, and many
+# extensions do not support it yet; the usual CPython has the GIL.
+#
+# ## 3. Seed 000's experiment, done right
+#
+# The seed squares every element of an array of dice rolls with a Python loop,
+# and compares running it serially, in a `Pool`, and in one `Process` per
+# chunk, for sizes up to a million. Its code has three timing bugs:
+#
+# 1. the `Pool` timer starts *inside* `with Pool(...)`: creating the workers,
+#    a large part of the cost, is never timed;
+# 2. its `Process` version throws the results away (a `Process` returns
+#    nothing), so it times work whose results nobody can use;
+# 3. `np.split(lst, sp)` raises unless the size divides evenly:
+#    `np.array_split` (or the chunking of Exercise 4.1) handles any size.
+#
+# Below, every version returns its result, is checked equal to the serial
+# one, and is timed with everything it needs, pool creation included (start-up
+# alone was measured in section 1).
+
+# %%
+def square_loop(chunk):
+    """The seed's workload: square each element with a Python loop."""
+    out = np.zeros_like(chunk)
+    for i in range(chunk.shape[0]):
+        out[i] = chunk[i] ** 2
+    return out
+
+
+def run_serial(data, parts):
+    return square_loop(data)
+
+
+def run_pool(data, parts):
+    with pool(parts) as p:
+        return np.concatenate(p.map_async(square_loop,
+                                          np.array_split(data, parts)).get(60))
+
+
+def _process_worker(index, chunk, results):
+    results.put((index, square_loop(chunk)))
+
+
+def run_processes(data, parts):
+    """One Process per chunk; results come back through a queue."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_process_worker, args=(i, c, results))
+             for i, c in enumerate(np.array_split(data, parts))]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=60) for _ in procs)  # read before join
+    for p in procs:
+        p.join(timeout=10)
+    return np.concatenate([got[i] for i in range(parts)])
+
+
+def run_vectorised(data, parts):
+    return data ** 2
+
+
+WAYS = {"serial": run_serial, "Pool": run_pool, "Process per chunk": run_processes,
+        "vectorised (numpy)": run_vectorised}
+
+
+def time_ways(n, parts=2, tries=2):
+    data = np.random.default_rng(n).integers(1, 7, n)
+    expected = data ** 2
+    times = {}
+    for way, run in WAYS.items():
+        best = float("inf")
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            out = run(data, parts)
+            best = min(best, time.perf_counter() - t0)
+            assert np.array_equal(out, expected), way  # same result, every way
+        times[way] = best
+    return times
+
+
+sizes = [10**3, 10**4, 10**5, 10**6 + 3]  # the last does not split evenly
+results = {}
+for n in sizes:
+    results[n] = time_ways(n)
+    print(f"n = {n:>9,}: " + ", ".join(f"{w} {format_seconds(t)}"
+                                        for w, t in results[n].items()))
+
+# %%
+fig, ax = plt.subplots(figsize=(6.8, 4.0))
+for way in WAYS:
+    ax.plot(sizes, [results[n][way] for n in sizes], marker="o", label=way)
+ax.set_xscale("log")
+ax.set_yscale("log")
+ax.set_xlabel("array size n")
+ax.set_ylabel("time, everything included (s)")
+ax.set_title(f"Squaring n numbers, {CORES} usable cores, 2 workers")
+ax.grid(True, which="both", alpha=0.3)
+ax.legend(fontsize=8)
+plt.show()
+
+big = results[sizes[-1]]
+small = results[sizes[0]]
+print(f"n = {sizes[0]:,}: serial is {small['Pool'] / small['serial']:.0f}x faster than "
+      "the Pool (start-up dominates)")
+print(f"n = {sizes[-1]:,}: Pool {big['serial'] / big['Pool']:.2f}x the serial speed, "
+      f"Process per chunk {big['serial'] / big['Process per chunk']:.2f}x, vectorised "
+      f"{big['serial'] / big['vectorised (numpy)']:.0f}x")
+gain = big["serial"] / min(big["Pool"], big["Process per chunk"])
+print("verdict:", f"the processes paid off at n = {sizes[-1]:,} ({gain:.2f}x, at most "
+      f"{min(CORES, 2)}x possible with 2 workers)" if gain > 1.05 else
+      f"even at n = {sizes[-1]:,} the processes did not pay off here ({gain:.2f}x): "
+      "start-up and pickling cost as much as the work they shared (or another "
+      "program had a core)")
+
+# %% [markdown]
+# The seed concludes that many light tasks call for `Process` and heavy ones
+# for `Pool`. The measurement says something simpler. A `Pool` and a
+# `Process` per chunk do the same thing here (start workers, send chunks,
+# collect results), so they cost about the same; both lose to the serial loop
+# for small sizes, where starting processes costs more than the work, and for
+# large sizes they can win - at best by the number of workers, less the
+# start-up and the pickling (the verdict above says what happened here). What
+# really matters is the vectorised line: **tens to hundreds of times faster**
+# than the serial loop (the line above says how much here), on one core. The
+# bottleneck was never the number of cores, but the interpreter
+# executing one bytecode after another for every element; numpy runs one
+# compiled loop (with SIMD, Chapter 1). Parallelise *after* vectorising, and
+# only work that is still slow.
+#
+# (Where a `Process` per task *is* the right tool: a few long-lived, different
+# jobs - a data loader, a server - not many small pieces of the same work.)
+#
+# A 2-core laptop cannot show how the pool scales. A simple model can: the
+# pool's time is its start-up cost plus the serial work divided among the
+# workers, `t(N) = t_start + t_serial / N` (Amdahl's law with a fixed
+# overhead). Both inputs are measured above; the prediction is for a
+# 16-core machine.
+
+# %%
+t_serial = big["serial"]
+t_start = costs["pool of 2 processes (create, one map, close)"]
+t_pickle = pickling[-1] * (sizes[-1] * 8 / (payload_sizes[-1] * 8))  # data there and back
+workers_axis = [1, 2, 4, 8, 16]
+model = [t_start + t_pickle + t_serial / n for n in workers_axis]
+pred = reference.predicted(
+    {"x": workers_axis, "y": model}, "s", "a 16-core CPU like this one",
+    "t(N) = pool start-up + pickling + serial time / N, each measured here "
+    f"(start-up {format_seconds(t_start)}, pickling {format_seconds(t_pickle)}, "
+    f"serial {format_seconds(t_serial)})")
+print(f"{pred.legend}: " + ", ".join(f"{n} workers {format_seconds(t)}"
+                                      for n, t in zip(workers_axis, model, strict=True)))
+print(f"best possible with 16 workers: {t_serial / model[-1]:.1f}x the serial loop; "
+      f"the vectorised line is {t_serial / big['vectorised (numpy)']:.0f}x")
+
+# %% [markdown]
+# ### Try it: how big must the work be?
+#
+# Drag the slider to change the array size (powers of ten, from a thousand to
+# half a million). The plot redraws serial, `Pool` and vectorised times at
+# that size, measured now.
+
+# %%
+def compare_at(exponent=4.0):
+    n = int(10**exponent)
+    data = np.random.default_rng(1).integers(1, 7, n)
+    times = {}
+    for way in ("serial", "Pool", "vectorised (numpy)"):
+        t0 = time.perf_counter()
+        WAYS[way](data, 2)
+        times[way] = time.perf_counter() - t0
+    fig, ax = plt.subplots(figsize=(5.6, 2.8))
+    ax.barh(list(times), list(times.values()), color=["tab:blue", "tab:orange",
+                                                        "tab:red"])
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds (log scale)")
+    ax.set_title(f"n = {n:,}")
+    plt.tight_layout()
+    plt.show()
+    print(f"fastest at n = {n:,}: {min(times, key=times.get)}")
+
+
+widgets.interact(compare_at, exponent=widgets.FloatSlider(
+    min=3, max=5.7, step=0.1, value=4.0, description="log10 n",
+    continuous_update=False));
+
+# %% [markdown]
+# ## 4. `concurrent.futures` and the chunk size
+#
+# `concurrent.futures` offers the same two tools behind one interface:
+# `ThreadPoolExecutor` and `ProcessPoolExecutor`, with `map` and `submit`
+# (which returns a *future* whose `result(timeout=...)` waits for it). A
+# process pool sends work in **chunks**: with `chunksize=1` every tiny task
+# pays a round trip to a worker; larger chunks amortise it.
+
+# %%
+tiny = list(range(3000))
+
+
+def time_map(executor, chunksize):
+    t0 = time.perf_counter()
+    out = list(executor.map(abs, tiny, chunksize=chunksize, timeout=60))
+    assert out == tiny
+    return time.perf_counter() - t0
+
+
+fork = mp.get_context("fork")
+with cf.ProcessPoolExecutor(2, mp_context=fork, initializer=pool_initializer,
+                            initargs=(os.getpid(),)) as ex:
+    time_map(ex, 1000)  # start the workers
+    chunk_times = {c: time_map(ex, c) for c in (1, 100, 1000)}
+with cf.ThreadPoolExecutor(2) as ex:
+    thread_time_ = time_map(ex, 1)
+for c, t in chunk_times.items():
+    print(f"ProcessPoolExecutor, chunksize {c:>5}: {format_seconds(t):>10}")
+print(f"ThreadPoolExecutor (no pickling):     {format_seconds(thread_time_):>10}")
+print(f"chunksize 1 costs {chunk_times[1] / chunk_times[1000]:.0f}x chunksize 1000 here")
+
+# %% [markdown]
+# ## 5. Start methods, in a notebook
+#
+# A worker process starts in one of three ways:
+#
+# - **fork** (the Linux default up to Python 3.13): a copy of this process,
+#   with everything defined in it - including functions defined in this
+#   notebook. Fast. But a fork copies the state of libraries too: once this
+#   process has run a multi-threaded torch operation, a forked child that runs
+#   one may hang for ever (GNU OpenMP is not fork-safe). The fix, used by
+#   `course_utils.dist.pool` and `launch`: one torch thread per forked worker
+#   (`torch.set_num_threads(1)` in the worker's initializer).
+# - **spawn** (the default on macOS and Windows): a fresh Python that
+#   *imports* what it must run. A function defined in a notebook lives in
+#   `__main__`, which the fresh Python does not have: the worker fails to find
+#   it.
+# - **forkserver** (the Linux default from Python 3.14): workers forked from a
+#   clean server process; it has the same problem with notebook functions.
+#
+# Watch spawn fail, safely: `ProcessPoolExecutor` notices its workers dying
+# and raises at once (a plain `Pool.map` would wait for ever). The red text
+# under the cell is the dying worker's own traceback: it cannot find `cube`
+# in its `__main__`.
+
+# %%
+def cube(x):
+    return x**3
+
+
+try:
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        print(ex.submit(cube, 3).result(timeout=60))
+except Exception as e:  # noqa: BLE001 - we show whatever the platform raises
+    print(f"spawn with a notebook function: {type(e).__name__}: {e}")
+
+# %% [markdown]
+# The fix is to put the function in a module, a `.py` file that the fresh
+# Python can import:
+
+# %%
+module_dir = Path(tempfile.mkdtemp(prefix="ch04_"))
+(module_dir / "ch04_tasks.py").write_text("def cube(x):\n    return x ** 3\n")
+sys.path.insert(0, str(module_dir))
+ch04_tasks = importlib.import_module("ch04_tasks")
+with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+    print("spawn with an imported function:", ex.submit(ch04_tasks.cube, 3).result(
+        timeout=60))
+
+# %% [markdown]
+# ## 6. torch's own threads, and processes x threads
+#
+# torch parallelises *inside* one operation (**intra-op** parallelism): a
+# large matmul is split over `torch.get_num_threads()` threads. Processes are
+# a second level on top. Each level wants the cores for itself: N processes
+# with M threads each should keep `N x M` at or below the number of cores,
+# or they fight over them (that is why the launcher and the pools here give
+# each worker one thread). The matmul below runs with 1 to all usable cores.
+
+# %%
+M = torch.randn(768, 768)
+thread_counts = list(range(1, CORES + 1))
+mm_times = {}
+saved = torch.get_num_threads()
+try:
+    for k in thread_counts:
+        torch.set_num_threads(k)
+        M @ M  # warm-up
+        mm_times[k] = min(fastest(lambda: M @ M, tries=5) for _ in range(2))
+finally:
+    torch.set_num_threads(saved)
+for k, t in mm_times.items():
+    print(f"{k} thread(s): {format_seconds(t):>10}  ({mm_times[1] / t:.2f}x one thread)")
+if CORES > 1:
+    best = mm_times[1] / mm_times[CORES]
+    print("verdict:", f"{best:.2f}x with {CORES} threads" + (
+        "" if best > 1.2 else " - another program was using a core"))
+
+# %% [markdown]
+# ## Summary
+#
+# - Processes share nothing unless asked and cost milliseconds to start;
+#   threads share everything and cost microseconds. Data sent to a process is
+#   pickled both ways; shared memory avoids the copy.
+# - The GIL lets one thread at a time run Python bytecode: threads speed up
+#   waiting and C code that releases the GIL (torch, numpy), not Python loops.
+#   CPU seconds / wall seconds tells which happened.
+# - Time everything a method needs (pool creation included), keep the results,
+#   and check them against the serial ones.
+# - Vectorise first: for elementwise work it beats any number of processes.
+# - In a notebook, fork works with notebook functions and spawn does not;
+#   forked workers should run one torch thread. Keep processes x threads at or
+#   below the cores.
+
+# %% [markdown]
+# ## Exercises
+#
+# ### Exercise 4.1: chunks for a pool
+#
+# Write `chunk_bounds(n, parts)`: the `(start, stop)` bounds of `parts`
+# contiguous chunks that together cover `range(n)`, with sizes that differ by
+# at most one (so no worker waits for a bigger chunk). Always return `parts`
+# chunks, even when `n < parts` (some are then empty). For example
+# `chunk_bounds(10, 3)` could give `[(0, 4), (4, 7), (7, 10)]`.
+
+# %% tags=["exercise"] exercise="4.1"
+def chunk_bounds(n, parts):
+    ### BEGIN SOLUTION
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="4.1"
+check_chunk_bounds(chunk_bounds)
+
+# %% [markdown]
+# ### Exercise 4.2: a parallel map you can trust
+#
+# Write `parallel_map(fn, items, processes)`: `[fn(x) for x in items]`,
+# computed by exactly `processes` worker processes running at once, with the
+# results in the order of `items`, and no worker left running when it
+# returns. Never wait without a timeout. (`course_utils.dist.pool` or
+# `multiprocessing.Pool` or `ProcessPoolExecutor`, as you like.) The checker
+# gives a task that only completes when that many workers run it together,
+# and whose first item is the slowest.
+
+# %% tags=["exercise"] exercise="4.2"
+def parallel_map(fn, items, processes):
+    ### BEGIN SOLUTION
+    with pool(processes) as p:
+        return p.map_async(fn, items, chunksize=1).get(timeout=60)
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="4.2"
+check_parallel_map(parallel_map)
+
+# %% [markdown]
+# ### Exercise 4.3: was it parallel?
+#
+# Write `cpu_and_wall(task)`: run `task()` once and return
+# `(cpu_seconds, wall_seconds)` - the CPU time this process used (all its
+# threads) and the time on the wall clock. CPU / wall is then the number of
+# busy cores. The checker gives tasks that sleep, compute in the calling
+# thread, and compute in other threads.
+
+# %% tags=["exercise"] exercise="4.3"
+def cpu_and_wall(task):
+    ### BEGIN SOLUTION
+    c0, w0 = time.process_time(), time.perf_counter()
+    task()
+    return time.process_time() - c0, time.perf_counter() - w0
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="4.3"
+check_cpu_and_wall(cpu_and_wall)
+
+# %% [markdown]
+# ## Glossary
+#
+# | English | 中文 |
+# | --- | --- |
+# | process | 进程 |
+# | thread | 线程 |
+# | global interpreter lock (GIL) | 全局解释器锁 |
+# | pool (of workers) | 进程池 |
+# | pickling (serialisation) | 序列化（pickle） |
+# | shared memory | 共享内存 |
+# | start method (fork, spawn, forkserver) | 启动方式 |
+# | chunk / chunk size | 分块 / 块大小 |
+# | vectorisation | 向量化 |
+# | intra-op parallelism | 算子内并行 |
+# | CPU time / wall-clock time | CPU 时间 / 墙钟时间 |
+# | free-threaded Python | 无 GIL 的 Python（自由线程） |
