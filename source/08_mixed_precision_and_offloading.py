@@ -1,0 +1,577 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 8: Mixed precision and offloading
+#
+# **What you will learn**
+#
+# - The floating-point formats deep learning uses - fp32, tf32, fp16, bf16 -
+#   from their real bits: range, precision, and what rounds to zero or infinity.
+# - `torch.autocast`, and why fp16 needs a gradient scaler while bf16 does not.
+# - Where a training step's memory goes (parameters, gradients, optimizer
+#   state, activations), counted exactly; how activation checkpointing and
+#   offloading trade time for memory - the seeds' "living with too little GPU".
+#
+# **Hardware.** Everything runs on a CPU: autocast works there with bfloat16
+# (and float16, slowly), the gradient scaler too, and memory is counted by
+# tensor bytes rather than by GPU counters (on a CPU-only build
+# `torch.cuda.memory_allocated()` returns 0 without an error). GPU speed-ups
+# are shown as published datasheet figures and labelled predictions.
+
+# %%
+import copy
+import os
+import tempfile
+import time
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Image, display
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from course_utils import banner, predict, reference
+from course_utils.bench import format_seconds
+from course_utils.build import ROOT
+from course_utils.checks.ch08 import (
+    check_cheapest_format,
+    check_saved_bytes,
+    check_scaled_step,
+)
+
+banner()
+FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+# %% [markdown]
+# ## 1. Number formats, from their bits
+#
+# A float is a sign, an exponent and a mantissa. The exponent's bits set the
+# **range** (how large and how small a number can be); the mantissa's bits set
+# the **precision** (how many significant digits). bf16 keeps fp32's 8
+# exponent bits and cuts the mantissa to 7; fp16 has more mantissa (10) but
+# only 5 exponent bits. tf32 is not a storage format: it is how tensor cores
+# on NVIDIA GPUs (since Ampere) multiply fp32 inputs, with fp16's 10 mantissa
+# bits and fp32's range.
+
+# %%
+display(Image(filename=str(ROOT / "images" / "number_formats.png")))
+print(f"{'format':9} {'bits':>4} {'largest':>11} {'smallest normal':>16} "
+      f"{'epsilon':>10}")
+for name, dt in FORMATS.items():
+    fi = torch.finfo(dt)
+    print(f"{name:9} {fi.bits:>4} {fi.max:>11.4g} {fi.tiny:>16.4g} {fi.eps:>10.3g}")
+fi8 = torch.finfo(torch.float8_e4m3fn)
+print(f"(float8_e4m3fn, for the newest GPUs: {fi8.bits} bits, largest {fi8.max:g})")
+
+# %% [markdown]
+# The bits are real: `.view()` reinterprets a tensor's memory as integers, so
+# we can print them. And rounding shows what each format cannot hold:
+
+# %%
+def bits(value, dtype):
+    """'s eeeee mmmmmmmmmm': the stored bits of value in dtype."""
+    t = torch.tensor([value], dtype=dtype)
+    width = torch.finfo(dtype).bits
+    as_int = t.view({16: torch.int16, 32: torch.int32}[width]).item() % (1 << width)
+    b = format(as_int, f"0{width}b")
+    exp = {torch.float32: 8, torch.bfloat16: 8, torch.float16: 5}[dtype]
+    return f"{b[0]} {b[1:1 + exp]} {b[1 + exp:]}"
+
+
+for value in (1.0, 0.1, 70000.0, 1e-8, 1 + 1 / 512):
+    print(f"{value!r:>18}")
+    for name, dt in FORMATS.items():
+        stored = torch.tensor(value, dtype=dt).item()
+        print(f"    {name:9} {bits(value, dt):>36}  -> {stored!r}")
+
+# %% [markdown]
+# Read the three interesting rows: 70000 is beyond fp16's largest value
+# (65504) and becomes `inf`; 1e-8 is below fp16's smallest subnormal and
+# becomes 0, while bf16 keeps both (with few digits); and 1 + 1/512 needs 9
+# mantissa bits, so bf16 rounds it to 1. Drag the slider to see any value's
+# bits and rounding:
+
+# %%
+def show_value(log10_value=-1.0):
+    value = 10**log10_value
+    for name, dt in FORMATS.items():
+        stored = torch.tensor(value, dtype=dt).item()
+        err = abs(stored - value) / value
+        print(f"{name:9} {bits(value, dt):>36}  {stored:.6g}  (relative error "
+              f"{err:.1e})")
+
+
+widgets.interact(show_value, log10_value=widgets.FloatSlider(
+    min=-10, max=6, step=0.25, value=-1.0, description="log10 x",
+    continuous_update=False));
+
+# %% [markdown]
+# ## 2. `torch.autocast`
+#
+# Mixed precision keeps the parameters in fp32 and runs the operations that
+# gain from it (matmuls, convolutions) in a 16-bit format, leaving the ones
+# that need range or accuracy (losses, reductions) in fp32. `torch.autocast`
+# picks per operation. The lists differ by device: on CUDA, softmax runs in
+# fp32; on the CPU it stays in its input's dtype.
+
+# %%
+lin = nn.Linear(64, 64)
+xa = torch.randn(8, 64)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    h = lin(xa)
+    p = torch.softmax(h, dim=-1)
+    loss = nn.functional.mse_loss(h, torch.zeros_like(h))
+print(f"under CPU autocast (bf16): linear -> {h.dtype}, softmax -> {p.dtype}, "
+      f"mse_loss -> {loss.dtype}; the parameters stay {lin.weight.dtype}")
+
+# %% [markdown]
+# Is it faster? Only where the hardware has fast 16-bit arithmetic. Recent
+# server CPUs have bf16 instructions; on others bf16 may be slower than fp32,
+# and fp16 is very slow on CPUs (a tiny size here). On GPUs the tensor cores
+# are many times faster in 16 bits than fp32: the published peaks below.
+
+# %%
+def matmul_time(n, dtype):
+    a = torch.randn(n, n).to(dtype)
+    a @ a
+    return min(_timed(lambda: a @ a) for _ in range(5))
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+saved_threads = torch.get_num_threads()
+torch.set_num_threads(1)
+try:
+    t32, t16b = matmul_time(384, torch.float32), matmul_time(384, torch.bfloat16)
+    t16 = matmul_time(64, torch.float16) * (384 / 64) ** 3  # scaled from a tiny one
+finally:
+    torch.set_num_threads(saved_threads)
+print(f"on this CPU, one thread, 384x384 matmul: fp32 {format_seconds(t32)}, bf16 "
+      f"{format_seconds(t16b)} ({t32 / t16b:.2f}x), fp16 about {format_seconds(t16)} "
+      f"(from a 64x64, x{(384 / 64) ** 3:.0f})")
+print("verdict:", "bf16 is faster here: this CPU has bf16 hardware" if t16b < t32
+      else "bf16 is not faster here: this CPU has no fast bf16 path")
+for key in ("h100_sxm.fp32_tflops", "h100_sxm.bf16_tensor_dense_tflops",
+            "a100_sxm_80gb.fp32_tflops", "a100_sxm_80gb.bf16_tensor_dense_tflops"):
+    f = reference.published(key)
+    print(f"  {f.value:>7} {f.unit}  [{f.label}]")
+ratio = predict.peak_flops("h100_sxm", "bf16") / predict.peak_flops("h100_sxm", "fp32")
+print(f"peak bf16 / fp32 on an H100: {ratio:.1f}x (datasheet peaks; real models gain "
+      "less, as not every operation is a matmul)")
+
+# %% [markdown]
+# ## 3. Why fp16 needs a gradient scaler
+#
+# Gradients are often tiny. In fp16, anything below about 6e-8 is 0: the
+# gradient **underflows**, and the weights stop learning. The fix is to
+# multiply the loss by a large **scale** before `backward()` (all gradients
+# grow by the same factor), and divide the gradients by it before the
+# optimizer step. If the scale was too large, some gradient overflows to
+# `inf`: that step is **skipped** and the scale halved; after a run of good
+# steps the scale grows again. `torch.amp.GradScaler` does all of it. Here
+# with fp16 for real, on tiny tensors:
+
+# %%
+w = torch.full((1000,), 1e-3, dtype=torch.float16, requires_grad=True)
+xs = torch.full((1000,), 1e-5, dtype=torch.float16)
+(w * xs).sum().backward()  # each gradient is 1e-5 * d(loss)... tiny
+w.grad = None
+((w * xs).sum() * 1e-3).backward()  # a small loss: gradients of 1e-8
+zero_plain = (w.grad == 0).float().mean().item()
+w.grad = None
+((w * xs).sum() * 1e-3 * 2**16).backward()  # the same, scaled by 65536
+zero_scaled = (w.grad == 0).float().mean().item()
+print(f"fp16 gradients that are exactly 0: {zero_plain:.0%} unscaled, "
+      f"{zero_scaled:.0%} with the loss scaled by 2^16")
+
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+before = model.weight.detach().clone()
+bad = torch.tensor([[float("inf"), 1.0, 2.0, 3.0]])
+scaler.scale(model(bad).sum()).backward()
+scaler.step(opt)
+scaler.update()
+print(f"an overflowing step: weights unchanged {torch.equal(before, model.weight)}, "
+      f"scale {2.0**16:g} -> {scaler.get_scale():g}")
+try:
+    half = nn.Linear(4, 1).half()
+    opt_h = torch.optim.SGD(half.parameters(), lr=0.1)
+    s2 = torch.amp.GradScaler("cpu")
+    s2.scale(half(torch.randn(2, 4).half()).sum()).backward()
+    s2.step(opt_h)
+except ValueError as e:
+    print(f"fp16 weights: ValueError: {e}")
+
+# %% [markdown]
+# The last line is why mixed precision keeps **fp32 master weights**: an
+# update of 1e-4 to a weight of 1.0 is lost in fp16 (its spacing near 1 is
+# 1e-3). And bf16 needs no scaler: it has fp32's range, so gradients do not
+# underflow - it pays in precision instead. (The device-generic API is
+# `torch.amp.GradScaler("cuda")` / `("cpu")` and `torch.autocast(device)`;
+# `torch.cuda.amp.GradScaler()` and `torch.cuda.amp.autocast()` are the
+# deprecated spellings.)
+#
+# ## 4. TF32 switches
+#
+# On Ampere and newer GPUs, fp32 matmuls can run on tensor cores in tf32 (10
+# mantissa bits), several times faster and slightly less accurate. PyTorch
+# keeps them off for matmuls by default. Two APIs switch it: the legacy
+# `torch.backends.cuda.matmul.allow_tf32` /
+# `torch.set_float32_matmul_precision("high")`, and, in recent releases, a
+# per-backend `fp32_precision` setting; mixing the two raises an error when
+# read. On a CPU the oneDNN backend has the same kind of switch, with bf16 as
+# the faster internal format:
+
+# %%
+print("float32 matmul precision:", torch.get_float32_matmul_precision())
+a64 = torch.randn(512, 512, dtype=torch.float64)
+a32 = a64.float()
+exact = a64 @ a64
+results = {}
+backend = getattr(torch.backends.mkldnn, "matmul", None)
+modes = ["ieee", "bf16"] if backend is not None and hasattr(backend,
+                                                           "fp32_precision") else []
+old = backend.fp32_precision if modes else None
+try:
+    for mode in modes:
+        backend.fp32_precision = mode
+        a32 @ a32
+        t = min(_timed(lambda: a32 @ a32) for _ in range(3))
+        err = ((a32 @ a32).double() - exact).abs().max().item() / exact.abs().max().item()
+        results[mode] = (t, err)
+finally:
+    if modes:
+        backend.fp32_precision = old
+for mode, (t, err) in results.items():
+    print(f"oneDNN fp32 matmul, internal {mode:4}: {format_seconds(t):>9}, largest "
+          f"relative error {err:.1e}")
+if not results:
+    print("this torch has no oneDNN fp32_precision switch")
+
+# %% [markdown]
+# ## 5. Where the memory of training goes
+#
+# For each parameter, training with Adam in fp32 keeps the parameter (4
+# bytes), its gradient (4) and Adam's two moments (8): 16 bytes. Activations
+# come on top: every tensor the forward pass **saves for the backward pass**.
+# We count those exactly with a saved-tensor hook, which sees each one as it
+# is saved.
+
+# %%
+def saved_activation_bytes(fn, skip=()):
+    """Bytes of the tensors saved for backward while fn() runs; tensors that
+    share memory with one in `skip` (the parameters) are not counted."""
+    total = 0
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+
+    def pack(t):
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in skipped:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total, out
+
+
+def block(width):
+    return nn.Sequential(nn.Linear(width, width), nn.GELU())
+
+
+def breakdown(batch=64, width=256, depth=6):
+    net = nn.Sequential(*[block(width) for _ in range(depth)])
+    params = sum(p.numel() for p in net.parameters())
+    acts, _ = saved_activation_bytes(lambda: net(torch.randn(batch, width)),
+                                     skip=list(net.parameters()))
+    return {"parameters": 4 * params, "gradients": 4 * params,
+            "Adam state": 8 * params, "activations": acts}
+
+
+parts = breakdown()
+for k, v in parts.items():
+    print(f"{k:12} {v / 2**20:8.2f} MiB")
+
+# %% [markdown]
+# The activations grow with the batch; everything else does not. Each block
+# here saves its input (for the Linear's weight gradient) and the Linear's
+# output (for GELU's): `2 x batch x width x 4` bytes per block, which the
+# slider's formula line checks against the hook's count. (The hook also sees
+# the weights - a matmul saves both of its operands - but they are no extra
+# memory, so the count leaves out tensors that share a parameter's storage.)
+
+# %%
+def draw_breakdown(batch=64):
+    parts = breakdown(batch=batch)
+    formula = 6 * 2 * batch * 256 * 4
+    fig, ax = plt.subplots(figsize=(6.0, 2.6))
+    ax.barh(list(parts), [v / 2**20 for v in parts.values()], color="tab:blue")
+    ax.set_xlabel("MiB")
+    ax.set_title(f"6 blocks of Linear(256) + GELU, batch {batch}")
+    plt.tight_layout()
+    plt.show()
+    print(f"activations counted {parts['activations']:,} B, formula {formula:,} B: "
+          + ("equal" if parts["activations"] == formula else "different"))
+
+
+widgets.interact(draw_breakdown, batch=widgets.IntSlider(
+    min=8, max=512, step=8, value=64, description="batch", continuous_update=False));
+
+# %% [markdown]
+# For a large model we need not allocate anything to count: on the **meta**
+# device tensors have shapes and dtypes but no memory. A model with the shapes
+# of a 7-billion-parameter transformer (32 layers, width 4096, MLP 11008,
+# vocabulary 32000) builds in a second:
+
+# %%
+def transformer_like(layers=32, d=4096, ffn=11008, vocab=32000):
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False),
+                   nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False),
+                   nn.Linear(ffn, d, bias=False), nn.LayerNorm(d), nn.LayerNorm(d)]
+    return nn.Sequential(nn.Embedding(vocab, d), *blocks, nn.LayerNorm(d),
+                         nn.Linear(d, vocab, bias=False))
+
+
+t0 = time.perf_counter()
+with torch.device("meta"):
+    big = transformer_like()
+n_params = sum(p.numel() for p in big.parameters())
+print(f"{n_params / 1e9:.2f} billion parameters, built in "
+      f"{time.perf_counter() - t0:.1f} s on the meta device, no memory allocated")
+for name, per_param in (("fp32 + Adam", 16), ("mixed precision + Adam", 16 + 2),
+                        ("bf16 weights and gradients, fp32 Adam", 2 + 2 + 8)):
+    print(f"  {name:40} {n_params * per_param / 1e9:7.0f} GB before activations")
+h100_mem = reference.published("h100_sxm.memory_gb")
+print(f"  one {h100_mem.device} holds {h100_mem.value} GB [{h100_mem.label}]")
+
+# %% [markdown]
+# (Mixed precision keeps an fp16/bf16 copy of the weights *beside* the fp32
+# master weights, so it saves activation memory and time, not parameter
+# memory.) Even the smallest line does not fit one 80 GB GPU: that is what
+# sharding (ZeRO, FSDP - later chapters) and offloading are for.
+#
+# ## 6. Activation checkpointing
+#
+# Instead of saving every activation, a checkpointed segment saves only its
+# input and **recomputes** the rest during the backward pass: less memory,
+# more time. `torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)`
+# wraps a segment. Below, 8 blocks, checkpointed not at all, per block, and
+# every 4 blocks, with the bytes saved (counted by the hook) and the time of
+# forward + backward.
+
+# %%
+torch.manual_seed(0)
+blocks = nn.ModuleList(block(512) for _ in range(8))
+xc = torch.randn(256, 512)
+
+
+def forward(x, every):
+    if every == 0:
+        for b in blocks:
+            x = b(x)
+        return x
+    for i in range(0, len(blocks), every):
+        seg = nn.Sequential(*blocks[i:i + every])
+        x = checkpoint(seg, x, use_reentrant=False)
+    return x
+
+
+ckpt = {}
+for label, every in (("no checkpointing", 0), ("every block", 1), ("every 4 blocks", 4)):
+    saved_b, out = saved_activation_bytes(lambda every=every: forward(xc, every),
+                                          skip=list(blocks.parameters()))
+    t0 = time.perf_counter()
+    for _ in range(2):
+        forward(xc, every).sum().backward()
+    ckpt[label] = (saved_b, (time.perf_counter() - t0) / 2)
+    print(f"{label:18} saved {saved_b / 2**20:6.1f} MiB, forward + backward "
+          f"{format_seconds(ckpt[label][1])}")
+slow = ckpt["every 4 blocks"][1] / ckpt["no checkpointing"][1]
+print(f"verdict: {ckpt['no checkpointing'][0] / ckpt['every 4 blocks'][0]:.0f}x less "
+      f"saved, for {slow:.2f}x the time" + ("" if slow > 1 else
+                                            " (the machine was busy: run it again)"))
+
+# %% [markdown]
+# `torch.autograd.graph.save_on_cpu()` is the other trade: keep the saved
+# tensors but move them to (pinned) CPU memory until the backward pass needs
+# them. It runs on a CPU-only machine, but there the tensors are already on
+# the CPU: it saves nothing.
+#
+# ## 7. Offloading: swapping halves of a model
+#
+# Seed 002 trains a model too large for its GPU by keeping half of it in CPU
+# memory and moving halves in and out. Its order has a bug worth knowing:
+# build the optimizer **after** the parameters have their final placement, or
+# keep the same parameter objects (`module.to()` moves them in place, so an
+# optimizer made before still holds the right ones; one made from copies
+# would not). The cost is the transfer: every step moves each offloaded half
+# in and out. Here the slower tier is a file, and the weights after training
+# must equal a run that kept everything resident:
+
+# %%
+torch.manual_seed(1)
+full = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+swapped = copy.deepcopy(full)
+data = [(torch.randn(16, 64), torch.randn(16, 64)) for _ in range(5)]
+opt_a = torch.optim.SGD(full.parameters(), lr=0.05)
+opt_b = torch.optim.SGD(swapped.parameters(), lr=0.05)
+tier = os.path.join(tempfile.mkdtemp(prefix="ch08_"), "half.pt")
+
+
+def offload(module):
+    """Write the module's tensors to the slow tier and free them here."""
+    torch.save(module.state_dict(), tier + ".tmp")
+    os.replace(tier + ".tmp", tier)  # never rewrite a file that is being read
+    for p in module.parameters():
+        p.data = torch.empty(0)
+
+
+def bring_back(module, state):
+    for (name, p) in module.named_parameters():
+        p.data = state[name]
+
+
+t_resident = t_swapped = 0.0
+second_half = swapped[2:]
+for x_, y_ in data:
+    t0 = time.perf_counter()
+    opt_a.zero_grad()
+    nn.functional.mse_loss(full(x_), y_).backward()
+    opt_a.step()
+    t_resident += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if second_half[0].weight.numel() == 0:
+        bring_back(second_half, torch.load(tier, weights_only=True))
+    opt_b.zero_grad()
+    nn.functional.mse_loss(swapped(x_), y_).backward()
+    opt_b.step()
+    offload(second_half)
+    t_swapped += time.perf_counter() - t0
+bring_back(second_half, torch.load(tier, weights_only=True))
+same = all(torch.equal(p, q) for p, q in zip(full.parameters(), swapped.parameters(),
+                                             strict=True))
+print(f"weights equal to the resident run: {same}; time {format_seconds(t_resident)} "
+      f"resident, {format_seconds(t_swapped)} swapping ({t_swapped / t_resident:.1f}x)")
+half_bytes = sum(p.numel() * 4 for p in full[2:].parameters())
+for n_params_half in (half_bytes / 4, 3.5e9):
+    f = predict.copy_seconds(8 * n_params_half, "pcie4_x16", "a GPU on PCIe 4.0 x16")
+    print(f"  moving a half of {n_params_half:.3g} fp32 parameters in and out: "
+          f"{format_seconds(f.value)} per step [{f.label}]")
+
+# %% [markdown]
+# ## Summary
+#
+# - Exponent bits give range, mantissa bits precision: fp16 overflows at 65504
+#   and underflows below 6e-8; bf16 keeps fp32's range with 3 digits.
+# - Autocast runs matmuls in 16 bits and keeps sensitive ops in fp32, with
+#   fp32 master weights; fp16 needs a GradScaler (skips inf steps, adjusts the
+#   scale), bf16 does not.
+# - Training memory is 16 bytes per parameter with Adam, plus activations that
+#   grow with the batch; the saved-tensor hook counts them exactly, the meta
+#   device counts a huge model without memory.
+# - Checkpointing recomputes to save activation memory; offloading moves
+#   tensors to a slower tier and pays the transfer every step.
+
+# %% [markdown]
+# ## Exercises
+#
+# ### Exercise 8.1: a loss-scaled training step
+#
+# Write `scaled_step(model, optimizer, scaler, x, y, max_norm)`: one step of
+# MSE training with the `GradScaler` `scaler`, clipping the gradient norm to
+# `max_norm` (`torch.nn.utils.clip_grad_norm_`). The clip must see the true
+# gradients; a step whose gradients overflow must change nothing but the
+# scale.
+
+# %% tags=["exercise"] exercise="8.1"
+def scaled_step(model, optimizer, scaler, x, y, max_norm):
+    ### BEGIN SOLUTION
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="8.1"
+check_scaled_step(scaled_step)
+
+# %% [markdown]
+# ### Exercise 8.2: what the forward pass keeps
+#
+# Write `saved_bytes(model, x)`: the number of bytes of the tensors autograd
+# saves for the backward pass while `model(x)` runs.
+
+# %% tags=["exercise"] exercise="8.2"
+def saved_bytes(model, x):
+    ### BEGIN SOLUTION
+    total, _ = saved_activation_bytes(lambda: model(x))
+    return total
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="8.2"
+check_saved_bytes(saved_bytes)
+
+# %% [markdown]
+# ### Exercise 8.3: the cheapest format that will do
+#
+# Write `cheapest_format(values, rel_error)`: the first of `"float16"`,
+# `"bfloat16"`, `"float32"` that stores every value of the tensor `values`
+# finite and within relative error `rel_error` (return `"float64"` if none
+# does).
+
+# %% tags=["exercise"] exercise="8.3"
+def cheapest_format(values, rel_error):
+    ### BEGIN SOLUTION
+    exact = values.double()
+    for name in ("float16", "bfloat16", "float32"):
+        stored = values.to(getattr(torch, name)).double()
+        if torch.isfinite(stored).all() and (
+                (stored - exact).abs() <= rel_error * exact.abs()).all():
+            return name
+    return "float64"
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="8.3"
+check_cheapest_format(cheapest_format)
+
+# %% [markdown]
+# ## Glossary
+#
+# | English | 中文 |
+# | --- | --- |
+# | mixed precision | 混合精度 |
+# | exponent / mantissa | 指数 / 尾数 |
+# | overflow / underflow | 上溢 / 下溢 |
+# | loss scaling | 损失缩放 |
+# | master weights | 主权重（fp32 副本） |
+# | automatic mixed precision (autocast) | 自动混合精度 |
+# | activation checkpointing | 激活检查点（重计算） |
+# | offloading | 卸载（到 CPU / 磁盘） |
+# | optimizer state | 优化器状态 |
+# | meta device | meta 设备（只有形状） |
