@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES_DIR = ROOT / "images"
@@ -251,6 +249,7 @@ def draw_all(out: Path = IMAGES_DIR) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    matplotlib.use("Agg")  # from the command line: no screen needed
     out = Path(argv[0]) if argv else IMAGES_DIR
     for path in draw_all(out):
         print(f"wrote {path}")
