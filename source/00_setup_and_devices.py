@@ -634,7 +634,8 @@ def allocate(mib):
 
 
 widgets.interact(allocate, mib=widgets.FloatLogSlider(
-    value=64, base=2, min=0, max=17, step=1, description="MiB"));
+    value=64, base=2, min=0, max=17, step=1, description="MiB", readout_format=".0f",
+    continuous_update=False));
 
 # %% [markdown]
 # The top of the slider asks for 128 GiB, more than most machines have. The

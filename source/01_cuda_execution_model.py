@@ -1288,9 +1288,11 @@ def plot_amdahl(p=0.9, n=8):
     plt.show()
 
 
-amdahl_plot = widgets.interact(
-    plot_amdahl, p=widgets.FloatSlider(0.9, min=0.0, max=0.99, step=0.01),
-    n=widgets.IntSlider(8, min=1, max=4096))
+amdahl_plot = widgets.interact(  # n in powers of two, as the plot's axis
+    plot_amdahl, p=widgets.FloatSlider(0.9, min=0.0, max=0.99, step=0.01,
+                                       continuous_update=False),
+    n=widgets.SelectionSlider(options=[2**k for k in range(13)], value=8,
+                              description="n", continuous_update=False))
 
 # %% [markdown]
 # Now a measured point. The job below has a serial part (in the parent process)
