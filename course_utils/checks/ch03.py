@@ -261,7 +261,8 @@ class StandInCuda:
     def device_count(self) -> int:
         return 1
 
-    def Stream(self, device=None, priority: int = 0, **kwargs) -> StandInStream:  # noqa: N802
+    def Stream(  # noqa: N802
+            self, device=None, priority: int = 0, **kwargs) -> StandInStream:
         s = StandInStream(self, f"stream {len(self._streams)}")
         self._streams.append(s)
         return s
@@ -569,10 +570,15 @@ def _check_prefetcher_on_gpu(ex: str, fn: Callable) -> str:
 
     def train():
         sums = []
-        for batch in call_learner(ex, fn, iter(batches), device, torch.cuda):
-            for _ in range(4):  # enough work for a copy to hide under
-                (batch @ w).relu_()
-            sums.append(batch.double().sum())
+        try:
+            for batch in call_learner(ex, fn, iter(batches), device, torch.cuda):
+                for _ in range(4):  # enough work for a copy to hide under
+                    (batch @ w).relu_()
+                sums.append(batch.double().sum())
+        except ExerciseFailed:
+            raise
+        except Exception as e:
+            _raised(ex, e)
         torch.cuda.synchronize(device)
         return [float(s) for s in sums]
 
