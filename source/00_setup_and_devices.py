@@ -22,6 +22,7 @@
 import gc
 import warnings
 
+import matplotlib.pyplot as plt
 import psutil
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from course_utils import (
     bench,
     check_fits,
     devices,
+    plots,
     reference,
     try_all_gpus,
     try_gpu,
@@ -139,7 +141,8 @@ if torch.cuda.is_available():
     print("torch.cuda.get_device_name(i):", torch.cuda.get_device_name(i))
     print("torch.cuda.get_device_properties(i):", torch.cuda.get_device_properties(i))
     for key, value in devices.gpu_facts(i).items():
-        print(f"  {key:>24}: {format_bytes(value) if 'memory' in key else value}")
+        is_size = ("memory" in key or "bytes" in key or "total" in key) and value
+        print(f"  {key:>24}: {format_bytes(value) if is_size else value}")
 else:
     print("No CUDA GPU: current_device, get_device_name and get_device_properties "
           "would raise here, so they are only called when a GPU exists.")
@@ -185,11 +188,16 @@ else:
 # - `autoinit` creates a context on GPU 0 as a side effect of the import;
 # - its `mem_get_info()` reports the free memory of the *current context's*
 #   GPU only, although it is described as "all devices";
-# - it divides by 1e9 and calls the result GB; memory sizes are usually read in
-#   GiB (2^30), and the two differ by 7%.
 #
-# `course_utils.devices.pycuda_facts` does the same job with these fixed: it
-# makes a context on each GPU in turn before asking for its memory.
+# One thing in it that looks like a bug is not: it divides by 10^9 and calls
+# the result GB, which is what a gigabyte is (SI units, as disk and network
+# makers count). Memory is usually sized in powers of two, and `nvidia-smi`
+# and this course print MiB and GiB (2^20 and 2^30 bytes): 80 GB is 74.5 GiB.
+# Neither is wrong; a number without its unit is.
+#
+# `course_utils.devices.pycuda_facts` does the same job with the real bugs
+# fixed: it enters each GPU's primary context in turn (the one PyTorch uses)
+# before asking for its memory. The cell prints sizes in binary units.
 
 # %%
 facts = devices.pycuda_facts()
@@ -201,7 +209,10 @@ else:
               f"{format_bytes(d['memory_total'])}")
         for name in ("WARP_SIZE", "MAX_THREADS_PER_BLOCK", "MULTIPROCESSOR_COUNT",
                      "MAX_SHARED_MEMORY_PER_BLOCK", "L2_CACHE_SIZE"):
-            print(f"  {name}: {d['attributes'].get(name)}")
+            value = d["attributes"].get(name)
+            if value and name.endswith(("MEMORY_PER_BLOCK", "CACHE_SIZE")):
+                value = f"{format_bytes(value)} ({value:,} B)"  # the driver gives bytes
+            print(f"  {name}: {value}")
 
 # %% [markdown]
 # ## 4. Where a tensor lives
@@ -387,6 +398,48 @@ print("after .to('meta') the optimizer holds layer.weight:",
 # result. For modules `model.to(device)` is enough, though
 # `model = model.to(device)` does no harm.
 #
+# ### `.cuda()`, `.cuda(i)` and `.cpu()`
+#
+# Older code, the seeds of this course among it, moves things with `.cuda()`
+# and `.cpu()`. They are shorthands for `.to()` and follow the same rules:
+#
+# | shorthand | the same as |
+# | --- | --- |
+# | `t.cuda()` | `t.to("cuda")`: the *current* GPU |
+# | `t.cuda(1)` | `t.to("cuda:1")` |
+# | `t.cpu()` | `t.to("cpu")` |
+# | `model.cuda()`, `model.cuda(1)`, `model.cpu()` | `model.to(...)`: in place, returns the same module |
+#
+# A tensor's shorthand returns a new tensor (or the tensor itself when it is
+# there already); a module's moves the module. The drawback of `.cuda()` is
+# that it writes a GPU into the code: without one it raises, so the code no
+# longer runs on a laptop. `.to(device)` with a device picked once runs
+# everywhere. `.cpu()` stays the usual way to bring a result back for printing
+# or for NumPy.
+
+# %%
+t = torch.ones(3)
+m = nn.Linear(2, 2)
+print("t.cpu() is t (it is on the CPU already):", t.cpu() is t,
+      "| m.cpu() is m:", m.cpu() is m)
+if torch.cuda.is_available():
+    last = torch.cuda.device_count() - 1
+    g = t.cuda()
+    print("t.cuda() ->", g.device, "| t.to('cuda') ->", t.to("cuda").device)
+    print(f"t.cuda({last}) ->", t.cuda(last).device, f"| t.to('cuda:{last}') ->",
+          t.to(f"cuda:{last}").device)
+    print("g.cpu() ->", g.cpu().device, "| a new tensor:", g.cpu() is not g)
+    print("m.cuda() is m:", m.cuda() is m, "| its weight is now on", m.weight.device)
+    m.cpu()
+else:
+    for what, call in (("t.cuda()", t.cuda), ("m.cuda()", m.cuda),
+                       ("t.cuda(1)", lambda: t.cuda(1))):
+        try:
+            call()
+        except (AssertionError, RuntimeError) as e:  # what a CPU-only build raises
+            print(f"{what} without a GPU: {type(e).__name__}: {e}")
+
+# %% [markdown]
 # ### Which device is a model on?
 #
 # A tensor has one device; a module has none. `nn.Module` has no `.device`
@@ -425,6 +478,51 @@ loss = nn.functional.cross_entropy(model(inputs), targets)
 loss.backward()
 opt.step()
 print(f"one step on {device}: loss {loss.item():.3f}")
+
+# %% [markdown]
+# **A correction to a seed.** Seed 004's device-agnostic snippet writes
+# `model = MyModule.to(device)`. That calls `.to` on the *class*, not on a
+# model, so the device lands where the model should be and the call fails at
+# once. Make the model, then move it: `model = MyModule().to(device)`.
+
+# %%
+MyModule = nn.Linear  # any nn.Module class
+try:
+    MyModule.to(device)
+except (AttributeError, TypeError) as e:
+    print(f"MyModule.to(device): {type(e).__name__}: {e}")
+print("MyModule(4, 2).to(device):", next(MyModule(4, 2).to(device).parameters()).device)
+
+# %% [markdown]
+# ### A default device: `torch.set_default_device` and `with torch.device(...)`
+#
+# Factory functions (`torch.zeros`, `torch.randn`, `torch.tensor`, ...) and the
+# layers built with them make their tensors on the *default device*, the CPU
+# unless you change it. `with torch.device(d):` changes it inside the block;
+# `torch.set_default_device(d)` changes it for the rest of the process. An
+# explicit `device=` still wins. Building a model inside
+# `with torch.device("cuda"):` makes its parameters on the GPU directly,
+# without a copy on the CPU first, and `with torch.device("meta"):` builds a
+# model of any size with no memory at all (Chapter 8 uses it). The PyTorch
+# documentation warns that a default device other than the CPU adds a little
+# cost to every call into torch, so prefer the `with` block, or
+# `device=` at the call. The cell uses `meta`, so it shows the same on any
+# machine.
+
+# %%
+with torch.device("meta"):
+    layer = nn.Linear(1000, 1000)
+    print("inside `with torch.device('meta')`: weight on", layer.weight.device,
+          "| torch.zeros(2) on", torch.zeros(2).device,
+          "| device='cpu' still wins:", torch.zeros(2, device="cpu").device)
+print("after the block:", torch.zeros(2).device)
+torch.set_default_device("meta")
+try:
+    print("after set_default_device('meta'): torch.tensor([1.0]) on",
+          torch.tensor([1.0]).device)
+finally:
+    torch.set_default_device(None)  # back to the CPU for the rest of the notebook
+print("default device now:", torch.get_default_device())
 
 # %% [markdown]
 # ### Making new tensors without naming a device
@@ -478,6 +576,31 @@ try:
     AddNoiseOnCPU()(x)
 except RuntimeError as e:
     print("torch.randn(x.shape): RuntimeError:", str(e).splitlines()[0])
+
+# %% [markdown]
+# A fixed tensor that a module needs in every call (a mask, a table of
+# positions) belongs in a **buffer**: `self.register_buffer("name", tensor)`.
+# `module.to()` moves and converts buffers along with the parameters, they are
+# saved in the `state_dict`, and an optimizer never sees them, since they are
+# not parameters. A tensor kept as a plain attribute is invisible to
+# `module.to()` and stays where it was made:
+
+# %%
+class Scale(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("weights", torch.linspace(0.5, 1.5, n))  # moves
+        self.plain = torch.linspace(0.5, 1.5, n)  # does not
+
+    def forward(self, x):
+        return x * self.weights
+
+
+scale = Scale(3).to("meta")
+print("buffer:", scale.weights.device, "| plain attribute:", scale.plain.device,
+      "| parameters:", len(list(scale.parameters())),
+      "| in the state_dict:", list(scale.state_dict()))
+print("forward on meta:", scale(torch.ones(2, 3, device="meta")).device)
 
 # %% [markdown]
 # ## 6. Operations across devices raise
@@ -592,10 +715,41 @@ expected = reference.predicted(
     "(PyTorch docs, CUDA semantics: memory management); a fresh process "
     "starts at zero")
 print()
-for fig in reference.show("00.allocator_steps", figures=[expected]):
+shown = reference.show("00.allocator_steps", figures=[expected])
+for fig in shown:
     for step, (alloc, res) in fig.value.items():
         print(f"{step:>18}: allocated {format_bytes(alloc):>10}, "
               f"reserved {format_bytes(res):>10}")
+
+# the same steps drawn: what this device measured, and each GPU figure's two counters
+names = list(expected.value)
+curves = []
+if device.type == "cuda":
+    for j, counter in enumerate(("memory_allocated", "memory_reserved")):
+        curves.append(reference.measured(
+            {"x": list(range(len(steps))), "y": [v[j] / 2**20 for v in steps.values()]},
+            "MiB", device))
+        curves[-1].device += f": {counter}"
+else:
+    curves.append(reference.measured(
+        {"x": list(range(len(steps))),
+         "y": [(v - steps["start"]) / 2**20 for v in steps.values()]}, "MiB", device))
+    curves[-1].device += ": process RSS over start"
+for fig in shown:
+    for j, counter in enumerate(("memory_allocated", "memory_reserved")):
+        curve = reference.Figure(
+            fig.kind, {"x": list(range(len(fig.value))),
+                       "y": [v[j] / 2**20 for v in fig.value.values()]},
+            "MiB", f"{fig.device}: {counter}", fig.source)
+        curves.append(curve)
+ax = plots.plot_figure_curves(curves, ylabel="MiB", logx=False, logy=False,
+                              title="Memory after each step, 256 MiB tensor")
+ax.set_xticks(range(len(names)), names, fontsize=8)
+for line in ax.get_lines():
+    line.set_drawstyle("steps-post")  # a counter holds its value until the next step
+ax.set_ylim(-10, 330)
+ax.legend(fontsize=7, loc="upper right")
+plt.show()
 
 # %% [markdown]
 # What to look for on a GPU: after `del`, *allocated* drops back but *reserved*
@@ -630,6 +784,10 @@ def allocate(mib):
     counter = "memory_allocated" if device.type == "cuda" else "process RSS"
     print(f"{side} x {side} float32 = {x.numel():,} elements x {x.element_size()} B "
           f"= {format_bytes(need)}; {counter} grew by {format_bytes(after - before)}")
+    if device.type == "cpu" and after - before < need / 2:
+        print("  RSS grew by less than the tensor: the C library served it from "
+              "memory this process already holds (pages freed earlier stay "
+              "resident for reuse). RSS counts the process's pages, not tensors.")
     del x
 
 
@@ -638,6 +796,13 @@ widgets.interact(allocate, mib=widgets.FloatLogSlider(
     continuous_update=False));
 
 # %% [markdown]
+# On the CPU, small sizes may show RSS growing by less than the tensor, even
+# 0 B: the C library's allocator hands out memory the process already holds
+# (blocks freed earlier stay resident, ready for reuse), and only large
+# blocks come fresh from the operating system. The cell says so when it
+# happens. RSS measures the process, not a tensor; on a GPU,
+# `memory_allocated` counts the tensor itself.
+#
 # The top of the slider asks for 128 GiB, more than most machines have. The
 # same refusal, called directly:
 
@@ -666,10 +831,14 @@ if device.type == "cuda":
     reference.record("00.matmul_fp32_tflops", tflops, "TFLOP/s", device, note=f"n={n}")
 # the published figures are datasheet peaks (dense FP32 on the CUDA cores): a
 # large matmul gets most of the way there, a small one much less
-reference.show("00.matmul_fp32_tflops", local=tflops, unit="TFLOP/s",
-               local_device=device,
-               figures=[reference.published("h100_sxm.fp32_tflops"),
-                        reference.published("t4.fp32_tflops")]);
+matmul_figures = reference.show(
+    "00.matmul_fp32_tflops", local=tflops, unit="TFLOP/s", local_device=device,
+    figures=[reference.published("h100_sxm.fp32_tflops"),
+             reference.published("t4.fp32_tflops")])
+ax = plots.plot_figure_bars(matmul_figures, ylabel="TFLOP/s (float32)",
+                            title=f"{n} x {n} float32 matmul here, beside GPU peaks")
+ax.set_ylim(top=ax.get_ylim()[1] * 30)  # room for the legend above the bars
+plt.show()
 
 # %% [markdown]
 # ## 9. Leftovers from old PyTorch
@@ -685,8 +854,17 @@ reference.show("00.matmul_fp32_tflops", local=tflops, unit="TFLOP/s",
 # - `x.detach()` and `x.data` both share `x`'s memory without the graph, but
 #   only `detach()` lets autograd notice an in-place change that would make a
 #   gradient wrong. Prefer `detach()`.
+# - `torch.set_grad_enabled(mode)` is the switchable form of `no_grad`: called
+#   as a function it turns gradient recording on or off for the rest of the
+#   thread; as `with torch.set_grad_enabled(is_training):` it lets one loop
+#   serve both training and evaluation.
+# - `tensor.type()` returns the legacy type name as a string
+#   (`'torch.FloatTensor'`, and `'torch.cuda.FloatTensor'` on a GPU), while
+#   Python's `type(tensor)` only says `torch.Tensor`. Today `tensor.dtype`
+#   and `tensor.device` say the same more plainly; `tensor.type(torch.float64)`
+#   converts, like `.to(torch.float64)`.
 # - `nn.Softmax()` without `dim`, as many old models write it, is deprecated
-#   (see the second cell below).
+#   (see the third cell below).
 
 # %%
 w = nn.Parameter(torch.ones(3))
@@ -701,11 +879,27 @@ y.detach().zero_()  # changes y's memory; autograd notices
 try:
     y.sum().backward()
 except RuntimeError as e:
-    print("detach(): the change is caught ->", str(e).split(".")[0])
+    # the message's first clause; the tensor's type in it holds dots of its own
+    print("detach(): the change is caught ->", str(e).split(":")[0])
 y = w.exp()
 y.data.zero_()  # same change through .data; autograd does not notice
 y.sum().backward()
 print(".data: silently wrong gradient", w.grad, "(exp(1) = 2.718 expected)")
+
+# %%
+for is_training in (True, False):
+    with torch.set_grad_enabled(is_training):
+        print(f"set_grad_enabled({is_training}): (w * 2).requires_grad =",
+              (w * 2).requires_grad)
+torch.set_grad_enabled(False)  # as a call: off until switched back on
+print("after torch.set_grad_enabled(False):", torch.is_grad_enabled())
+torch.set_grad_enabled(True)
+
+for t in (torch.ones(2), torch.ones(2, dtype=torch.float16),
+          torch.ones(2, dtype=torch.int64)):
+    print(f"t.type() = {t.type():20} type(t) = {type(t).__name__:7} "
+          f"t.dtype = {t.dtype}, t.device = {t.device}")
+print("t.type(torch.float64) converts:", torch.ones(2).type(torch.float64).dtype)
 
 # %% [markdown]
 # A softmax must be told which dimension holds the classes. Without `dim`,
@@ -752,8 +946,14 @@ print("3-D input, no dim: sums to 1 across the batch (dim 0):",
 # - `tensor.to()` returns a new tensor; `module.to()` moves the module in place
 #   and keeps its Parameter objects. Still, move the model, then create the
 #   optimizer. A module has no `.device`: ask its parameters.
-# - Pick the device once and write device-agnostic code; inside `forward()`,
-#   make new tensors with `zeros_like`, `randn_like`, `new_zeros`, `new_full`.
+# - `.cuda()`, `.cuda(i)` and `.cpu()` are shorthands for `.to()`, with the
+#   same tensor/module rules; `.cuda()` ties code to a GPU, `.to(device)` does
+#   not.
+# - Pick the device once and write device-agnostic code (make the model,
+#   then move it: `MyModule().to(device)`); inside `forward()`, make new
+#   tensors with `zeros_like`, `randn_like`, `new_zeros`, `new_full`, and keep
+#   fixed tensors in buffers, which `module.to()` moves. `with
+#   torch.device(d):` sets the default device for a block.
 # - Operators refuse operands on different devices; the `meta` device lets you
 #   check placement and shapes with no memory at all.
 # - `memory_allocated` counts live tensors, `memory_reserved` what the caching
@@ -765,8 +965,10 @@ print("3-D input, no dim: sums to 1 across the batch (dim 0):",
 #
 # Write `run_on(model, batch, device)`: move the model and the batch to
 # `device`, run the model on the batch, and return the output (left on
-# `device`). It is checked on the `meta` device - so a batch left behind is
-# caught on any machine - and on the best device this machine has.
+# `device`). The model you are given must be on `device` afterwards, buffers
+# included, as a training loop needs it. It is checked on the `meta` device -
+# so a batch or a model left behind is caught on any machine - and on the
+# best device this machine has.
 
 # %% tags=["exercise"] exercise="0.1"
 def run_on(model, batch, device):
@@ -784,10 +986,13 @@ check_run_on(run_on)
 # ### Exercise 0.2: how much memory do these tensors hold?
 #
 # Write `memory_held(tensors)`: the number of bytes of memory kept alive by the
-# tensors in the list. Careful: a view (`x.view`, a slice `x[::2]`, `x.T`)
-# shares its base's storage, `expand` copies nothing, and the element size
-# depends on the dtype. `t.untyped_storage()` gives a tensor's storage, with
-# `.nbytes()` and `.data_ptr()`.
+# tensors in the list. Careful: a view (`x.view`, a slice `x[::2]` or
+# `x[10:]`, `x.T`) shares its base's storage, also when it starts at an
+# offset; `expand` copies nothing; two different tensors are two storages,
+# even of equal size; and the element size depends on the dtype.
+# `t.untyped_storage()` gives a tensor's storage, with `.nbytes()` and
+# `.data_ptr()` (the address of the storage, where `t.data_ptr()` is the
+# address of the tensor's first element).
 
 # %% tags=["exercise"] exercise="0.2"
 def memory_held(tensors):
@@ -801,6 +1006,35 @@ def memory_held(tensors):
 
 # %% tags=["check"] exercise="0.2"
 check_memory_held(memory_held)
+
+# %% [markdown]
+# ### Exercise 0.3: a module that follows `model.to()`
+#
+# Write a module class `AddRamp`: `AddRamp(n)` adds to its input `x`, of shape
+# `(..., n)`, the fixed ramp `r[j] = j / n` (j = 0, ..., n - 1) along the last
+# dimension, and returns the sum as a new tensor. After `model.to(device)` or
+# `model.to(dtype)` it must work on inputs of that device and dtype, and give
+# an output on `x`'s device with `x`'s dtype. The ramp is fixed: nothing an
+# optimizer would train. It is checked on the `meta` device, in float16 and
+# float64, and on the best device this machine has.
+
+# %% tags=["exercise"] exercise="0.3"
+class AddRamp(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        ### BEGIN SOLUTION
+        self.register_buffer("ramp", torch.arange(n) / n)
+        ### END SOLUTION
+
+    def forward(self, x):
+        ### BEGIN SOLUTION
+        return x + self.ramp
+        ### END SOLUTION
+
+# %% tags=["check"] exercise="0.3"
+from course_utils.checks.ch00 import check_add_ramp
+
+check_add_ramp(AddRamp)
 
 # %% [markdown]
 # ## Glossary
