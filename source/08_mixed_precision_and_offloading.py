@@ -42,7 +42,7 @@ from IPython.display import Image, display
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from course_utils import banner, predict, reference
+from course_utils import banner, bench, predict, reference
 from course_utils.bench import format_seconds
 from course_utils.build import ROOT
 from course_utils.checks.ch08 import (
@@ -145,24 +145,13 @@ print(f"under CPU autocast (bf16): linear -> {h.dtype}, softmax -> {p.dtype}, "
 
 # %%
 def matmul_time(n, dtype):
+    """Seconds of the fastest n x n matmul on one thread: others only slow it."""
     a = torch.randn(n, n).to(dtype)
-    a @ a
-    return min(_timed(lambda: a @ a) for _ in range(5))
+    return min(bench(torch.mm, a, a, min_run_time=0.05, num_threads=1).times)
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-saved_threads = torch.get_num_threads()
-torch.set_num_threads(1)
-try:
-    t32, t16b = matmul_time(384, torch.float32), matmul_time(384, torch.bfloat16)
-    t16 = matmul_time(64, torch.float16) * (384 / 64) ** 3  # scaled from a tiny one
-finally:
-    torch.set_num_threads(saved_threads)
+t32, t16b = matmul_time(384, torch.float32), matmul_time(384, torch.bfloat16)
+t16 = matmul_time(64, torch.float16) * (384 / 64) ** 3  # scaled from a tiny one
 print(f"on this CPU, one thread, 384x384 matmul: fp32 {format_seconds(t32)}, bf16 "
       f"{format_seconds(t16b)} ({t32 / t16b:.2f}x), fp16 about {format_seconds(t16)} "
       f"(from a 64x64, x{(384 / 64) ** 3:.0f})")
@@ -253,8 +242,7 @@ old = backend.fp32_precision if modes else None
 try:
     for mode in modes:
         backend.fp32_precision = mode
-        a32 @ a32
-        t = min(_timed(lambda: a32 @ a32) for _ in range(3))
+        t = min(bench(torch.mm, a32, a32, min_run_time=0.05).times)
         err = ((a32 @ a32).double() - exact).abs().max().item() / exact.abs().max().item()
         results[mode] = (t, err)
 finally:
