@@ -27,6 +27,9 @@
 #   the key-value stores underneath.
 # - Checkpointing and logging correctly: save on rank 0, barrier, load with
 #   `map_location`; average a loss across ranks.
+# - DDP in practice: gradient accumulation with `no_sync`, unused parameters,
+#   BatchNorm, gradient buckets seen in a profile, debugging hangs,
+#   `mp.spawn`, elastic restarts, gloo or nccl, and what more ranks buy.
 #
 # **Hardware.** Everything here runs for real on a laptop: the ranks are CPU
 # processes that talk through the `gloo` backend over the loopback network. With
@@ -35,22 +38,32 @@
 # initialised CUDA (it prints the backend it chose, and why); the collective
 # timings are then recorded as reference results. With a single GPU, the two
 # ranks stay CPU processes with `gloo` (two ranks cannot share one GPU under
-# `nccl`). Without GPUs, the timing cells show the recorded GPU figures beside
-# the local ones.
+# `nccl`), and the GPU is used where that is enough: the checkpoints of
+# section 7 are saved from it, and section 9 measures one rank on it with
+# `nccl`. Without GPUs, the timing cells show published and predicted GPU
+# figures beside the local ones, each labelled with its kind.
 
 # %%
+import atexit
+import contextlib
 import os
 import runpy
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import psutil
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.distributed import constants
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -61,8 +74,9 @@ from course_utils.checks.ch06 import (
     check_epoch_batches,
     check_save_then_load,
 )
+from course_utils.devices import usable_cores
 from course_utils.dist import free_port, launch, stop_tree
-from course_utils.plots import plot_time_vs_size
+from course_utils.plots import plot_time_vs_size, plot_timeline
 
 banner();
 
@@ -89,6 +103,9 @@ banner();
 # returned, with its printed output.
 
 # %%
+gpus = torch.cuda.device_count()  # NVML's count: CUDA stays uninitialised here
+
+
 def rank_device(rank):
     """The device of this rank: its own GPU under nccl, the CPU under gloo."""
     if dist.get_backend() == "nccl":
@@ -130,7 +147,8 @@ print("notebook process:", os.getpid(), "- rank processes:", [r.value for r in r
 def stuck(rank, world_size):
     if rank == 1:
         raise RuntimeError("rank 1 gives up before the all_reduce")
-    dist.all_reduce(torch.ones(1, device=rank_device(rank)))  # waits for rank 1: never
+    # only rank 0 gets here, and waits for rank 1, which will never come
+    dist.all_reduce(torch.ones(1, device=rank_device(rank)))
 
 
 try:
@@ -147,15 +165,18 @@ except Exception as e:
 # `MASTER_ADDR`, `MASTER_PORT`. The script then calls `init_process_group()`,
 # which reads them (the `env://` rendezvous). The old
 # `python -m torch.distributed.launch` that the seed slides also list is
-# deprecated; it passed `--local_rank` as an argument instead.
+# deprecated: it passes the local rank as a command-line argument, spelled
+# `--local-rank=N` since torch 2.0 and `--local_rank=N` before, so scripts
+# written for it must accept both spellings. torchrun passes nothing on the
+# command line; read `LOCAL_RANK` from the environment.
 #
 # The script below is a complete DDP training run. Read it top to bottom: every
 # line of it returns later in this chapter.
 
 # %%
-# ruff: noqa: F811 - the script below repeats the imports, as a standalone file must
-WORK = Path("build/ch06")  # build/ is ignored by git
-WORK.mkdir(parents=True, exist_ok=True)
+# ruff: noqa: F811 - the scripts below repeat the imports, as standalone files must
+WORK = Path(tempfile.mkdtemp(prefix="ch06-"))  # scripts and checkpoints go here
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # removed with the kernel
 SCRIPT = WORK / "train_ddp.py"
 
 # %%
@@ -232,11 +253,11 @@ if __name__ == "__main__":
 # role and local rank (`[default0]:`), so that the lines of two ranks never mix.
 
 # %%
-def run_command(cmd, timeout=90):
+def run_command(cmd, timeout=90, env=None):
     """Run a command, print what it printed, fail the cell if it failed."""
     print("$", " ".join(map(str, cmd)))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -351,9 +372,11 @@ print("samples seen twice:", sum(map(len, shares)) - 10)
 # **all-reduces** (sums across ranks) the gradients, in buckets, overlapping the
 # communication with the rest of the backward pass, and divides by the world
 # size. After the step, all ranks hold the same parameters again. (The seed
-# notes say the losses of all GPUs are averaged *before* a parallel backward
-# pass. Not so: each rank back-propagates its own loss, and only the gradients
-# are averaged.)
+# notes describe the losses of all GPUs being averaged and then a backward pass
+# running on all of them: that is how `nn.DataParallel` works, Chapter 5, which
+# gathers the outputs on one GPU, computes one loss and back-propagates it
+# through every replica. DDP does it the other way round: each rank
+# back-propagates its own loss, and only the gradients are averaged.)
 #
 # The proof is numerical: train one model for a few steps on the full batch in
 # this process, and the same model with two DDP ranks on half the batch each.
@@ -731,9 +754,10 @@ plt.show()
 # %%
 def stores(rank, world_size, port, path):
     tcp = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0))
-    tcp.set(f"address/{rank}", f"rank {rank} lives in process {os.getpid()}")
     tcp.add("arrived", 1)  # an atomic counter
-    tcp.wait([f"address/{1 - rank}"])  # block until the other rank has written
+    tcp.set(f"address/{rank}", f"rank {rank} lives in process {os.getpid()}")
+    tcp.wait([f"address/{1 - rank}"])  # block until the other rank has written,
+    # and so has counted itself: it adds before it sets
     print("TCPStore:", tcp.get(f"address/{1 - rank}").decode(), "| counter =",
           tcp.add("arrived", 0))
 
@@ -747,7 +771,8 @@ def stores(rank, world_size, port, path):
 
 store_file = WORK / "filestore"
 store_file.unlink(missing_ok=True)
-_ = launch(stores, nprocs=2, args=(free_port(), store_file), init=False)
+_ = launch(stores, nprocs=2, args=(free_port(), store_file), init=False,
+           backend="gloo")  # the group below is gloo's, on every machine
 
 hashes = dist.HashStore()  # in this process only
 hashes.set("epoch", "3")
@@ -773,20 +798,39 @@ print("HashStore:", hashes.get("epoch"))
 # default since torch 2.6). The seed slides load with neither.
 
 # %%
+def own_device(rank):
+    """Rank's GPU (shared when there are fewer GPUs than ranks), else the CPU."""
+    n = torch.cuda.device_count()
+    return torch.device("cuda", rank % n) if n else torch.device("cpu")
+
+
 def checkpoint_round_trip(rank, world_size, path):
+    d = own_device(rank)
     torch.manual_seed(rank)  # different weights on each rank, to see the load work
-    model = nn.Linear(3, 1)
+    model = nn.Linear(3, 1).to(d)
     if rank == 0:
         torch.save(model.state_dict(), path)
     dist.barrier()
-    state = torch.load(path, map_location=rank_device(rank), weights_only=True)
+    stored_on = []  # the device each tensor was saved from, as the file records it
+    torch.load(path, weights_only=True,
+               map_location=lambda storage, location: stored_on.append(location)
+               or storage)
+    naive = torch.load(path, weights_only=True)  # no map_location
+    state = torch.load(path, map_location=d, weights_only=True)
     model.load_state_dict(state)
-    return model.weight.detach()
+    return (str(d), sorted(set(stored_on)), str(naive["weight"].device),
+            str(state["weight"].device), model.weight.detach().cpu())
 
 
 ckpt = WORK / "round_trip.pt"
-weights = [r.value for r in launch(checkpoint_round_trip, nprocs=2, args=(ckpt,))]
-print("rank 1 now holds rank 0's weights:", torch.equal(weights[0], weights[1]))
+loaded = [r.value for r in launch(checkpoint_round_trip, nprocs=2, args=(ckpt,))]
+for rank, (own, stored, naive, mapped, _) in enumerate(loaded):
+    print(f"rank {rank} (its device {own}): the file records {stored}; loaded without "
+          f"map_location onto {naive}, with map_location onto {mapped}")
+print("rank 1 now holds rank 0's weights:", torch.equal(loaded[0][4], loaded[1][4]))
+if not gpus:
+    print("(no GPU: every tensor was saved from the CPU, so map_location changes "
+          "nothing here; with GPUs, rank 1 would load onto cuda:0 without it)")
 
 # %% [markdown]
 # **Logging a loss.** Each rank's loss is the loss of its share only. To log the
@@ -837,12 +881,13 @@ port = free_port()
 node_cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--tee=3",
                        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                        "--rdzv_id=ch06", "--rdzv_conf=join_timeout=60"]
-gpus = torch.cuda.device_count()  # NVML's count: CUDA stays uninitialised here
 
 
 def node_env(i):
     """Each "node" sees only its own GPU, as a real machine would; none if short."""
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": str(i) if gpus >= 2 else ""}
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")  # respect a mapping set outside
+    visible = inherited.split(",") if inherited else [str(k) for k in range(gpus)]
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": visible[i] if gpus >= 2 else ""}
 
 
 nodes = [subprocess.Popen(node_cmd + [f"--node_rank={i}", str(SCRIPT)],
@@ -908,6 +953,630 @@ print("processes started from this notebook that are still running:",
 # most clusters, the home or project directory is).
 
 # %% [markdown]
+# ## 9. DDP in practice
+#
+# The script of section 2 is the core of every DDP program. Real training runs
+# add a handful of things to it. Each is shown below on CPU ranks with `gloo`;
+# each works the same way on GPUs with `nccl` (where it differs, the cell says
+# so).
+#
+# ### Gradient accumulation and `no_sync()`
+#
+# When the batch you want does not fit in memory, you run `k` smaller
+# micro-batches, let their gradients add up in `.grad`, and step once. Divide
+# each micro-batch's loss by `k` so that the sum is the mean. Under DDP every
+# `backward()` all-reduces the gradients; for the first `k - 1` micro-batches
+# that traffic is wasted, since the sum happens locally anyway. Inside
+# `with ddp_model.no_sync():` a backward pass only accumulates; the next
+# backward outside the block all-reduces the accumulated sum. A *communication
+# hook* (DDP's way to replace or wrap its all-reduce) counts the calls.
+
+# %%
+def accumulate(rank, world_size, k, use_no_sync):
+    """k micro-batches on this rank's share of the batch of section 4, one step."""
+    model, x, y = make_problem()
+    ddp = DDP(model)
+    buckets_reduced = []
+
+    def counting_hook(group, bucket):  # wraps DDP's default all-reduce
+        buckets_reduced.append(bucket.index())
+        return default_hooks.allreduce_hook(group, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    share = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+    micro = list(zip(x[share].chunk(k), y[share].chunk(k), strict=True))
+    for i, (xb, yb) in enumerate(micro):
+        last = i == k - 1
+        quiet = ddp.no_sync() if use_no_sync and not last else contextlib.nullcontext()
+        with quiet:
+            (nn.functional.mse_loss(ddp(xb), yb) / k).backward()
+    return [p.grad.clone() for p in model.parameters()], len(buckets_reduced)
+
+
+K = 4
+for use_no_sync in (False, True):
+    grads, reductions = launch(accumulate, nprocs=2, args=(K, use_no_sync))[0].value
+    print(f"{K} micro-batches per rank, no_sync {'used' if use_no_sync else 'not used'}:"
+          f" {reductions} all-reduce call{'s' if reductions > 1 else ''}, gradient "
+          f"differs from the full batch's by {max_diff(grads, single[0]):.1e}")
+
+# %% [markdown]
+# Both give the full batch's gradient, to rounding: averaging is linear, so it
+# does not matter whether the ranks average every micro-batch's gradient or
+# only their sum. `no_sync()` saves `k - 1` of every `k` all-reduces. (The
+# model here is small enough for one bucket, so one call per backward.)
+#
+# ### Parameters that get no gradient
+#
+# DDP all-reduces a bucket when every parameter in it has its gradient. A
+# parameter that the forward pass did not use never gets one, so its bucket
+# never completes, and DDP stops at the next iteration with the error below. A
+# model with two heads, of which each step uses one, is the classic case:
+
+# %%
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head_a, self.head_b = nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x, task="a"):
+        head = self.head_a if task == "a" else self.head_b
+        return head(torch.tanh(self.body(x)))
+
+
+def two_heads(rank, world_size):
+    outcome = {}
+    for options in ({}, {"find_unused_parameters": True}, {"static_graph": True}):
+        torch.manual_seed(0)
+        ddp = DDP(TwoHeads(), **options)
+        steps = 0
+        try:
+            while steps < 3:
+                ddp(torch.randn(4, 4)).sum().backward()  # head_b is never used
+                steps += 1
+            outcome[str(options)] = "3 steps ran"
+        except RuntimeError as e:
+            outcome[str(options)] = f"step {steps}: {str(e).split('. ')[0]}"
+    return outcome
+
+
+for options, what in launch(two_heads, nprocs=2)[0].value.items():
+    print(f"DDP(model, **{options}): {what}")
+
+# %% [markdown]
+# `find_unused_parameters=True` makes DDP walk the autograd graph after every
+# forward pass to find the parameters it will not see, and mark them ready: it
+# works when the set changes from step to step, and costs that walk every
+# step. `static_graph=True` promises that the set of used parameters (and the
+# order of their gradients) is the same in every iteration: DDP learns it in
+# the first iteration and pays nothing afterwards. Neither is needed for a
+# model whose forward pass uses every parameter, which is why both are off by
+# default.
+#
+# ### BatchNorm under DDP
+#
+# `BatchNorm` normalises with the mean and variance of the batch it sees, and
+# under DDP each rank sees only its share. Its running statistics (buffers,
+# not parameters, so no gradient all-reduce touches them) are therefore each
+# rank's own. DDP's `broadcast_buffers=True`, the default, copies rank 0's
+# buffers to every rank at the start of each forward pass, so all ranks carry
+# rank 0's statistics: statistics of rank 0's shares only. Below, the two
+# shares come from different distributions, as they do when data is not
+# shuffled well:
+
+# %%
+def batchnorm_under_ddp(rank, world_size):
+    torch.manual_seed(0)
+    x = torch.randn(32, 3) + torch.tensor([0.0, 5.0, -5.0])
+    x[16:] += 2.0  # the second half differs
+    mine = x[rank * 16:(rank + 1) * 16]
+    d = rank_device(rank)
+    plain = DDP(nn.BatchNorm1d(3, momentum=None).to(d))  # momentum=None: plain mean
+    plain(mine.to(d))
+    plain(mine.to(d))  # the second forward starts with rank 0's buffers
+    # SyncBatchNorm's statistics, by hand: sums over every rank's samples
+    sums = torch.stack([mine.sum(0), (mine**2).sum(0), torch.full((3,), 16.0)])
+    dist.all_reduce(sums)
+    by_hand = sums[0] / sums[2]
+    try:
+        sync = nn.SyncBatchNorm(3, momentum=None).to(d)
+        DDP(sync, device_ids=[rank] if d.type == "cuda" else None)(mine.to(d))
+        synced = sync.running_mean.cpu()
+    except ValueError as e:  # on CPU modules
+        synced = f"ValueError: {e}"
+    return (mine.mean(0), plain.module.running_mean.cpu(), by_hand, synced,
+            x.mean(0))
+
+
+bn = [r.value for r in launch(batchnorm_under_ddp, nprocs=2)]
+fmt = lambda t: "[" + ", ".join(f"{v:6.2f}" for v in t.tolist()) + "]"  # noqa: E731
+print("full-batch mean             ", fmt(bn[0][4]))
+for rank, (share_mean, running, by_hand, *_) in enumerate(bn):
+    print(f"rank {rank}: its share's mean   {fmt(share_mean)}")
+    print(f"        running_mean        {fmt(running)} (BatchNorm1d under DDP)")
+    print(f"        all-reduced mean    {fmt(by_hand)} (what SyncBatchNorm computes)")
+print("SyncBatchNorm here:", bn[0][3] if isinstance(bn[0][3], str) else fmt(bn[0][3]))
+
+# %% [markdown]
+# Rank 1's running mean is no longer its own share's: the broadcast at the
+# second forward replaced it with rank 0's, to which rank 1 then added its own
+# batch. A checkpoint saved by rank 0 keeps rank 0's statistics. With
+# well-shuffled shares of a decent size the difference is small; with small
+# per-rank batches (a few images per GPU in detection or segmentation) the
+# statistics of one share are too noisy. `nn.SyncBatchNorm` all-reduces the
+# per-channel sums and sums of squares in every forward, so every rank
+# normalises with the statistics of the global batch (the third line above,
+# computed by hand). It runs only on GPU modules (the error above on a CPU);
+# convert a model with `nn.SyncBatchNorm.convert_sync_batchnorm(model)` before
+# wrapping it in DDP. The cost is one extra collective per BatchNorm layer per
+# forward.
+#
+# ### Gradient buckets and overlap, seen in a profile
+#
+# DDP does not wait for the whole backward pass. It groups the parameters into
+# **buckets** of about `bucket_cap_mb` megabytes (25 by default; the first
+# bucket is smaller), in the reverse order of the forward pass, and starts the
+# all-reduce of a bucket as soon as all its gradients are ready, while autograd
+# computes the gradients of earlier layers. The profiler shows it: rank 0's
+# backward pass on the main thread, the all-reduces on gloo's threads. A model
+# of 8.4 MB of gradients fits in one bucket of 25 MB, so its only all-reduce
+# waits for the end of the backward pass; with 1 MB buckets it is cut into
+# eight, and the printed counts say how many of them began while autograd was
+# still at work.
+
+# %%
+@contextlib.contextmanager
+def quiet_stderr():
+    """Hide C++ messages on stderr (the profiler announces its start and stop)."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def profile_buckets(rank, world_size, bucket_cap_mb):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    x = torch.randn(256, 512)
+    for _ in range(2):  # DDP settles its buckets in the first iterations
+        ddp(x).sum().backward()
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        ddp(x).sum().backward()
+    spans = []
+    for e in prof.events():
+        if e.name == "gloo:all_reduce":
+            lane = "all_reduce (gloo threads)"
+        elif e.name.startswith("autograd::engine::evaluate_function: AddmmBackward"):
+            lane = "backward (main thread)"
+        else:
+            continue
+        spans.append((lane, e.time_range.start / 1e6, e.time_range.end / 1e6))
+    return spans
+
+
+LANES = ["backward (main thread)", "all_reduce (gloo threads)"]
+fig, axes = plt.subplots(2, 1, figsize=(8, 3.8), sharex=True)
+for ax, cap in zip(axes, (25, 1), strict=True):
+    spans = launch(profile_buckets, nprocs=2, args=(cap,))[0].value
+    reduces = [s for s in spans if s[0] == LANES[1]]
+    backward_end = max(s[2] for s in spans if s[0] == LANES[0])
+    early = sum(s[1] < backward_end for s in reduces)
+    plot_timeline(spans, ax=ax, lanes=LANES,
+                  title=f"bucket_cap_mb={cap}: {len(reduces)} all-reduce"
+                        f"{'s' if len(reduces) > 1 else ''}, {early} started "
+                        "during the backward pass")
+    print(f"bucket_cap_mb={cap:>2}: {len(reduces)} all-reduces, {early} of them started "
+          f"before the backward pass ended")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# On a GPU the same picture holds with CUDA streams instead of threads: nccl's
+# kernels run on their own stream beside the backward kernels. Smaller
+# buckets start communication earlier but pay the per-call latency more often
+# (section 5); the default is a compromise, worth tuning only with a profile
+# like this one in hand. (To look at such a trace yourself, call
+# `prof.export_chrome_trace("trace.json")` and open it in `chrome://tracing` or
+# Perfetto.)
+#
+# ### When the ranks hang
+#
+# A distributed program that misbehaves usually does not crash: it waits. One
+# rank calls a collective the others never call, or calls it with another
+# shape, or died, and the rest wait in their next collective until the
+# timeout. The tools, from the cheapest:
+#
+# - **Timeouts.** `init_process_group(timeout=timedelta(minutes=...))` bounds
+#   every wait; the defaults are below. A smaller one turns a silent hang into
+#   an error sooner.
+# - **`dist.monitored_barrier(timeout=...)`** (gloo only) waits like a barrier
+#   and, when it times out, names the ranks that did not arrive.
+# - **`TORCH_DISTRIBUTED_DEBUG=DETAIL`** (set before the process group is
+#   created) checks before every collective that all ranks call the same one
+#   with the same shapes, and says which rank differs. It costs an extra
+#   collective per call: for debugging only.
+# - **`NCCL_DEBUG=INFO`** (GPUs) prints what nccl set up (rings, links, the
+#   network it chose) and why a call failed; `NCCL_DEBUG_SUBSYS=COLL` logs every
+#   collective.
+
+# %%
+nccl_timeout = constants.default_pg_nccl_timeout  # None where torch has no nccl
+print("default timeout of a process group:", constants.default_pg_timeout, "| of an "
+      "nccl one:", nccl_timeout or "10 minutes, in builds with nccl (not this one)")
+
+
+def mismatched_shapes(rank, world_size, level):
+    dist.set_debug_level(getattr(dist.DebugLevel, level))  # as the env variable does
+    dist.init_process_group("gloo")  # init=False: this rank creates its group
+    t = torch.ones(3 + rank)  # rank 0 has 3 numbers, rank 1 has 4
+    try:
+        dist.all_reduce(t)
+        return f"no error, result {t.tolist()}"
+    except RuntimeError as e:  # the first words, without gloo's source location
+        message = str(e).split("] ", 1)[-1] if str(e).startswith("[") else str(e)
+        return f"RuntimeError: {message.split(', but')[0][:110]} ..."
+
+
+for level in ("OFF", "DETAIL"):
+    print(f"TORCH_DISTRIBUTED_DEBUG={level}:")
+    for r in launch(mismatched_shapes, nprocs=2, args=(level,), init=False,
+                    backend="gloo"):
+        print(f"  rank {r.rank}: {r.value}")
+
+# %% [markdown]
+# Without the debug level, rank 0 returned a wrong result without a word, and
+# rank 1 failed only because rank 0 went away; with nccl such a mismatch can
+# just as well hang or corrupt memory. With `DETAIL`, both ranks stop at the
+# faulty call and say which shapes differ. `monitored_barrier` finds a rank
+# that is stuck elsewhere (here rank 1, busy for longer than the barrier
+# waits):
+
+# %%
+def one_rank_busy(rank, world_size):
+    from datetime import timedelta
+
+    if rank == 1:
+        time.sleep(1.5)  # stuck in something else
+        return "was busy"
+    try:
+        with quiet_stderr():  # gloo also logs the error on stderr
+            dist.monitored_barrier(timeout=timedelta(seconds=0.5))
+        return "passed the barrier"
+    except RuntimeError as e:
+        return f"RuntimeError: {str(e).splitlines()[0]}"
+
+
+for r in launch(one_rank_busy, nprocs=2, backend="gloo"):
+    print(f"rank {r.rank}: {r.value}")
+
+# %% [markdown]
+# ### `torch.multiprocessing.spawn`
+#
+# Most tutorials start their ranks with `torch.multiprocessing.spawn(fn,
+# args=..., nprocs=n)`: it starts `n` fresh interpreters and calls
+# `fn(i, *args)` in each, `i` being the process index, so `fn` must set up its
+# own process group. Two things to know. It uses the *spawn* start method, so
+# `fn` must be importable from a module: a function defined in a notebook is
+# not (the children cannot find it; Chapter 4). And it returns nothing: the
+# children print to the terminal that started Jupyter, not to the notebook,
+# so results come back through a queue here. With `join=False` it returns at
+# once, and we wait with a deadline of our own, since `spawn` has no timeout.
+
+# %%
+SPAWNED = WORK / "spawned_ranks.py"
+
+# %%
+# %%writefile {SPAWNED}
+"""A rank function for torch.multiprocessing.spawn: importable, so spawn finds it."""
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def main(index, world_size, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=index, world_size=world_size)
+    t = torch.tensor([index + 1.0])
+    dist.all_reduce(t)
+    results.put((index, os.getpid(), t.item()))
+    dist.destroy_process_group()
+
+# %%
+sys.path.insert(0, str(WORK))
+import spawned_ranks  # noqa: E402
+
+results_queue = mp.get_context("spawn").SimpleQueue()
+start = time.perf_counter()
+context = mp.spawn(spawned_ranks.main, args=(2, free_port(), results_queue), nprocs=2,
+                   join=False)
+try:
+    while not context.join(timeout=1):  # True once every process has ended
+        if time.perf_counter() - start > 60:
+            raise TimeoutError("the spawned ranks did not finish in 60 s")
+finally:
+    stop_tree([p.pid for p in context.processes if p.is_alive()])
+for index, pid, total in sorted(results_queue.get() for _ in range(2)):
+    print(f"spawned process {index}: pid {pid}, all_reduce gave {total}")
+print(f"mp.spawn took {time.perf_counter() - start:.1f} s (fresh interpreters "
+      "import torch; forked ranks do not)")
+
+# %% [markdown]
+# ### Elastic restarts
+#
+# On hundreds of GPUs something fails every few days: a GPU, a node, a
+# network link. `torchrun --max-restarts=N` restarts *all* workers (up to `N`
+# times) when one of them exits with an error, and the script resumes from its
+# last checkpoint, which is why real training scripts save one every so often
+# and load it at start. torchrun tells a worker how many restarts came before
+# in `TORCHELASTIC_RESTART_COUNT`. The script below saves a checkpoint after
+# every epoch and crashes once, on its first attempt, in epoch 2:
+
+# %%
+ELASTIC = WORK / "elastic.py"
+
+# %%
+# %%writefile {ELASTIC}
+"""Train for 4 epochs, checkpoint every epoch, resume after a restart."""
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+checkpoint = Path(__file__).with_name("elastic.pt")
+weights, first_epoch = torch.zeros(3), 0
+if checkpoint.exists():  # resume where the last attempt stopped
+    state = torch.load(checkpoint, weights_only=True)
+    weights, first_epoch = state["weights"], state["epoch"] + 1
+print(f"attempt {attempt}, rank {rank}: starting at epoch {first_epoch}", flush=True)
+for epoch in range(first_epoch, 4):
+    if attempt == 0 and epoch == 2 and rank == 1:
+        sys.exit(f"rank {rank} fails in epoch {epoch}")  # a crash, for the demo
+    update = torch.ones(3)
+    dist.all_reduce(update)  # "training": every rank adds the world size
+    weights += update
+    if rank == 0:
+        tmp = checkpoint.with_suffix(".tmp")
+        torch.save({"weights": weights, "epoch": epoch}, tmp)
+        os.replace(tmp, checkpoint)  # never leave half a checkpoint behind
+    dist.barrier()
+print(f"attempt {attempt}, rank {rank}: done, weights {weights.tolist()}", flush=True)
+dist.destroy_process_group()
+
+# %%
+(WORK / "elastic.pt").unlink(missing_ok=True)
+start = time.perf_counter()
+# the workers host their own store (see below): restarts reconnect reliably
+own_store = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+run_command(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                        "--monitor-interval=0.2", "--tee=3", ELASTIC], env=own_store)
+print(f"two attempts took {time.perf_counter() - start:.1f} s")
+
+# %% [markdown]
+# The first attempt ran epochs 0 and 1 and died in epoch 2; torchrun stopped
+# the surviving rank, started both again, and the second attempt went on from
+# epoch 2. The final weights are those of four epochs, as if nothing had
+# happened. What a crash costs is the work since the last checkpoint, plus the
+# restart. (With `--nnodes=MIN:MAX` and a c10d rendezvous, torchrun can also go
+# on with fewer or more nodes; the script must then cope with a new world
+# size.)
+#
+# One trap: by default the restarted workers share torchrun's own key-value
+# store with the attempt before, and in torch 2.13 the restarted ranks then
+# often fail to connect (four runs in five when this course was tested),
+# because they can read the previous attempt's addresses (PyTorch
+# issue 135712, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0 is not compatible with
+# torchelastic restarts"). Setting `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, as
+# the cell does, gives every attempt a fresh store of its own.
+#
+# ### gloo or nccl
+#
+# Which backend for which tensors, as the PyTorch documentation's table of
+# backends gives it ("Distributed communication package", docs of
+# `torch.distributed`, Backends):
+#
+# | operation | gloo, CPU tensors | gloo, GPU tensors | nccl, CPU tensors | nccl, GPU tensors |
+# | --- | --- | --- | --- | --- |
+# | send, recv, barrier | yes | no | no | yes |
+# | broadcast, all_reduce, reduce | yes | yes | no | yes |
+# | all_gather, gather, scatter | yes | yes | no | yes |
+# | reduce_scatter, all_to_all | yes | yes | no | yes |
+#
+# So: `nccl` for GPU tensors, one GPU per rank (two ranks on one GPU are
+# refused), and it is by far the faster (it uses NVLink, and RDMA between
+# nodes); `gloo` for CPU tensors, and as a fallback that can also move GPU
+# tensors, slowly, through the host. A process group can have both:
+# `init_process_group("cpu:gloo,cuda:nccl")` sends each tensor to the backend
+# of its device. The gloo column for CPU tensors, checked here:
+
+# %%
+def gloo_ops(rank, world_size):
+    n = world_size
+    ops = {
+        "send/recv": lambda: (dist.send(torch.ones(2), 1) if rank == 0
+                              else dist.recv(torch.empty(2), 0)),
+        "broadcast": lambda: dist.broadcast(torch.ones(2), 0),
+        "all_reduce": lambda: dist.all_reduce(torch.ones(2)),
+        "reduce": lambda: dist.reduce(torch.ones(2), 0),
+        "all_gather": lambda: dist.all_gather([torch.empty(2) for _ in range(n)],
+                                              torch.ones(2)),
+        "gather": lambda: dist.gather(torch.ones(2), [torch.empty(2) for _ in range(n)]
+                                      if rank == 0 else None, 0),
+        "scatter": lambda: dist.scatter(torch.empty(2), [torch.ones(2)] * n
+                                        if rank == 0 else None, 0),
+        "reduce_scatter": lambda: dist.reduce_scatter(torch.empty(2),
+                                                      [torch.ones(2)] * n),
+        "all_to_all": lambda: dist.all_to_all([torch.empty(2) for _ in range(n)],
+                                              [torch.ones(2)] * n),
+        "barrier": dist.barrier,
+    }
+    works = {}
+    for name, call in ops.items():
+        try:
+            call()
+            works[name] = "works"
+        except RuntimeError as e:
+            works[name] = f"RuntimeError: {str(e).splitlines()[0][:60]}"
+    return works
+
+
+print("gloo with CPU tensors:", launch(gloo_ops, nprocs=2, backend="gloo")[0].value)
+
+# %% [markdown]
+# ### Throughput against the number of ranks
+#
+# What do more ranks buy? At a fixed batch per rank, each step processes `n`
+# times the samples, and costs one rank's compute plus the part of the
+# gradient all-reduce that does not overlap with it. Here, each rank trains
+# the 8-layer model of the profile above; we measure the samples per second
+# of all ranks together, on 1 rank and on as many as this machine has cores
+# for (the ranks of a CPU machine compete for its cores and its memory
+# bandwidth; GPUs do not share their compute).
+
+# %%
+def throughput(rank, world_size, steps, batch):
+    d = rank_device(rank)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).to(d)
+    ddp = DDP(model, device_ids=[rank] if d.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(batch, 512, device=d)
+    timings = {}
+    for name, quiet in (("compute only (no_sync)", ddp.no_sync), ("DDP step", None)):
+        for i in range(steps + 2):  # two warm-up steps
+            if i == 2:
+                if d.type == "cuda":
+                    torch.cuda.synchronize(d)
+                dist.barrier()
+                start = time.perf_counter()
+            with quiet() if quiet else contextlib.nullcontext():
+                ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+        timings[name] = (time.perf_counter() - start) / steps
+    return dist.get_backend(), timings
+
+
+def scaling(sizes, backend):
+    rows = {}
+    for n in sizes:
+        out = launch(throughput, nprocs=n, args=(10, 64), backend=backend)
+        rows[n] = (out[0].value[0], max(r.value[1]["DDP step"] for r in out),
+                   max(r.value[1]["compute only (no_sync)"] for r in out))
+    return rows
+
+
+cpu_sizes = list(range(1, min(usable_cores(), 4) + 1))
+measured_rows = {"gloo, CPU ranks": scaling(cpu_sizes, "gloo")}
+if gpus:  # one GPU per rank, nccl: a real GPU run, even with a single GPU
+    gpu_sizes = [n for n in (1, 2, 4, 8) if n <= gpus]
+    measured_rows["nccl, one GPU per rank"] = scaling(gpu_sizes, "nccl")
+for what, rows in measured_rows.items():
+    base = 64 / rows[1][1]
+    for n, (_, step, compute) in rows.items():
+        rate = n * 64 / step
+        print(f"{what}, {n} rank{'s' if n > 1 else ' '}: {rate:8,.0f} samples/s, "
+              f"{rate / (n * base):4.0%} of {n} x one rank; step {step * 1e3:6.1f} ms "
+              f"of which compute {compute * 1e3:6.1f} ms")
+cpu = measured_rows["gloo, CPU ranks"]
+top = max(cpu)
+gain = top * 64 / cpu[top][1] / (64 / cpu[1][1])
+slower = cpu[top][2] / cpu[1][2]
+waiting = 1 - cpu[top][2] / cpu[top][1]
+print(f"verdict: {top} CPU ranks processed {gain:.1f} x the samples per second of one. "
+      + (f"Each rank computed {slower:.1f} x as slowly as a rank alone (they shared "
+         "the cores, caches and memory bandwidth, or other programs ran). "
+         if slower > 1.2 else "Each rank computed about as fast as a rank alone. ")
+      + f"{max(waiting, 0):.0%} of a step went to the all-reduce that did not "
+      "overlap with the backward pass.")
+
+# %% [markdown]
+# Two things keep `n` CPU ranks below `n` times the throughput of one, and the
+# verdict above says how much of each there was here. The ranks of a CPU
+# machine share its cores, caches and memory bandwidth, so each may compute
+# more slowly than a rank alone (GPUs do not share their arithmetic, though
+# the ranks of a node share the CPU that feeds them). And part of the gradient
+# all-reduce does not overlap with the backward pass: over the loopback
+# network of one machine, gloo moves data at the bandwidths section 5
+# measured.
+#
+# For GPUs, a model of one step predicts the same trade-off at scale. Take a
+# language model of one billion parameters, `P = 1e9`, trained on `T` tokens
+# per GPU per step. Its compute is about `6 P T` FLOPs (a forward and a
+# backward pass; Kaplan et al., "Scaling Laws for Neural Language Models",
+# 2020), here at the H100's published dense bf16 peak, which real runs reach
+# only a fraction of: the compute time is a lower bound, and the share of
+# communication an upper bound. The gradient all-reduce moves `2 P` bytes
+# (bf16) in a ring over NVLink or over PCIe. If it does not overlap with the
+# backward pass, a step takes the sum; if it overlaps completely, the longer
+# of the two. Drag the sliders:
+
+# %%
+PARAMS = 1e9
+
+
+def predicted_step(tokens, n, link):
+    compute = 6 * PARAMS * tokens / predict.peak_flops("h100_sxm", "bf16")
+    reduce = predict.ring_allreduce_seconds(2 * PARAMS, n, link).value
+    return compute, reduce
+
+
+def draw_scaling(tokens=16_384, n=8):
+    links = (("nvlink_h100", "NVLink 4"), ("pcie5_x16", "PCIe 5.0 x16"))
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    for row, (link, name) in enumerate(links):
+        compute, reduce = predicted_step(tokens, n, link)
+        ax.barh(row, compute * 1e3, color="tab:blue",
+                label="compute (6 P T FLOPs at peak)" if row == 0 else None)
+        ax.barh(row, reduce * 1e3, left=compute * 1e3, color="tab:orange",
+                label="gradient all-reduce, if not overlapped" if row == 0 else None)
+        print(f"{name:>12}: compute {compute * 1e3:7.1f} ms, all-reduce "
+              f"{reduce * 1e3:6.1f} ms: {n} GPUs do {compute / (compute + reduce):4.0%}"
+              f" (no overlap) to {compute / max(compute, reduce):4.0%} (full overlap)"
+              f" of {n} x the work of one")
+    ax.set_yticks(range(len(links)), [name for _, name in links])
+    ax.set_xlabel("time per step (ms)")
+    ax.set_title(f"Predicted for {n} x {predict.gpu_name('h100_sxm')}, 1 B parameters, "
+                 f"{tokens:,d} tokens per GPU (model, not measured)", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    plt.tight_layout()
+    plt.show()
+
+
+widgets.interact(
+    draw_scaling,
+    tokens=widgets.SelectionSlider(options=[2**k for k in range(10, 17)], value=16_384,
+                                   description="tokens/GPU", continuous_update=False),
+    n=widgets.SelectionSlider(options=[2, 4, 8, 16, 32, 64], value=8,
+                              description="GPUs n", continuous_update=False));
+
+# %% [markdown]
+# Two things to see. The all-reduce time hardly grows with `n`: a ring sends
+# `2(n - 1)/n` times the gradient per GPU, which tends to twice the gradient,
+# so data parallelism scales to many GPUs as long as the links are fast. And
+# the ratio of compute to communication is set by the tokens per GPU, not by
+# the model size (both grow in proportion to `P`): over NVLink it stays small
+# down to small per-GPU batches; over slower links only overlap or larger
+# per-GPU batches keep the GPUs busy. Between nodes the links are slower
+# still (a network card of a few hundred Gbit/s per GPU), which is why large
+# runs keep the most communication-hungry parallelism inside a node
+# (Chapter 7).
+
+# %% [markdown]
 # ## Summary
 #
 # - DDP runs one process per device; every rank runs the same code and learns
@@ -925,6 +1594,16 @@ print("processes started from this notebook that are still running:",
 #   pickle, and cost more.
 # - Save on rank 0, barrier, load with `map_location` and `weights_only=True`;
 #   average logged losses with an all-reduce divided by the world size.
+# - `no_sync()` saves the all-reduce of all but the last accumulation step;
+#   `find_unused_parameters` or `static_graph` for parameters a step skips;
+#   BatchNorm statistics stay per rank unless `SyncBatchNorm` (GPU) syncs them.
+# - DDP all-reduces gradients in buckets during the backward pass; a profile
+#   shows the overlap. Hangs are found with timeouts, `monitored_barrier` and
+#   `TORCH_DISTRIBUTED_DEBUG=DETAIL`.
+# - `torchrun --max-restarts` restarts every worker after a failure; the
+#   script resumes from its last checkpoint.
+# - A ring all-reduce costs about twice the gradient per GPU whatever the
+#   number of GPUs; tokens per GPU and link speed decide how well DDP scales.
 
 # %% [markdown]
 # ## Exercises
@@ -1022,3 +1701,8 @@ check_save_then_load(save_then_load)
 # | sampler | 采样器 |
 # | checkpoint | 检查点 |
 # | algorithmic / bus bandwidth | 算法带宽 / 总线带宽 |
+# | gradient accumulation | 梯度累积 |
+# | gradient bucket | 梯度桶 |
+# | synchronized BatchNorm | 同步批归一化 |
+# | elastic training / restart | 弹性训练 / 重启 |
+# | scaling efficiency | 扩展效率 |
