@@ -1537,22 +1537,23 @@ def predicted_step(tokens, n, link):
 
 def draw_scaling(tokens=16_384, n=8):
     links = (("nvlink_h100", "NVLink 4"), ("pcie5_x16", "PCIe 5.0 x16"))
-    fig, ax = plt.subplots(figsize=(7, 2.6))
+    fig, ax = plt.subplots(figsize=(7, 2.9))
     for row, (link, name) in enumerate(links):
         compute, reduce = predicted_step(tokens, n, link)
         ax.barh(row, compute * 1e3, color="tab:blue",
                 label="compute (6 P T FLOPs at peak)" if row == 0 else None)
         ax.barh(row, reduce * 1e3, left=compute * 1e3, color="tab:orange",
                 label="gradient all-reduce, if not overlapped" if row == 0 else None)
-        print(f"{name:>12}: compute {compute * 1e3:7.1f} ms, all-reduce "
-              f"{reduce * 1e3:6.1f} ms: {n} GPUs do {compute / (compute + reduce):4.0%}"
-              f" (no overlap) to {compute / max(compute, reduce):4.0%} (full overlap)"
-              f" of {n} x the work of one")
+        print(f"{name:>12}: compute {compute * 1e3:6.1f} ms, all-reduce "
+              f"{reduce * 1e3:6.1f} ms: {compute / (compute + reduce):4.0%} (no "
+              f"overlap) to {compute / max(compute, reduce):4.0%} (full overlap) of "
+              f"{n} x one GPU's throughput")
     ax.set_yticks(range(len(links)), [name for _, name in links])
     ax.set_xlabel("time per step (ms)")
-    ax.set_title(f"Predicted for {n} x {predict.gpu_name('h100_sxm')}, 1 B parameters, "
-                 f"{tokens:,d} tokens per GPU (model, not measured)", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"Predicted (a model, not measured): {n} x "
+                 f"{predict.gpu_name('h100_sxm')}\n1 B parameters, {tokens:,d} tokens "
+                 "per GPU per step", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2)
     plt.tight_layout()
     plt.show()
 
@@ -1572,7 +1573,8 @@ widgets.interact(
 # the model size (both grow in proportion to `P`): over NVLink it stays small
 # down to small per-GPU batches; over slower links only overlap or larger
 # per-GPU batches keep the GPUs busy. Between nodes the links are slower
-# still (a network card of a few hundred Gbit/s per GPU), which is why large
+# still (a network card of a few hundred Gbit/s per GPU; NVLink beyond the 8
+# GPUs of a node needs NVIDIA's NVLink switch systems), which is why large
 # runs keep the most communication-hungry parallelism inside a node
 # (Chapter 7).
 
