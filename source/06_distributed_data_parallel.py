@@ -1615,7 +1615,9 @@ widgets.interact(
 # DDP does this for you during `backward()`. Write `average_gradients(model)`,
 # called on every rank after `loss.backward()`, that replaces each parameter's
 # `.grad` by the mean of that gradient over all ranks. The default all_reduce
-# sums; `dist.get_world_size()` tells you by how much.
+# sums; `dist.get_world_size()` tells you by how much. A frozen parameter
+# (`requires_grad=False`) has no gradient: its `.grad` is `None`, and stays so.
+# The checker runs your function on 2 and on 3 ranks.
 
 # %% tags=["exercise"] exercise="6.1"
 def average_gradients(model):
@@ -1663,8 +1665,11 @@ check_epoch_batches(epoch_batches)
 # Write `save_then_load(model, rank, path)`, called on every rank: rank 0 saves
 # the model's `state_dict` to `path`, and then every rank loads it back into its
 # own model, on the device its parameters are on, safely (`weights_only=True`).
-# The checker runs it in two processes whose models start different, and makes
-# rank 0's save slow.
+# The checker runs it on 2 and on 3 ranks whose models start different; one
+# rank arrives late, rank 0's `state_dict()` takes a while, as a big model's
+# does, and the file says its tensors come from a GPU this machine lacks, as a
+# checkpoint from a GPU server would. Every rank must end with rank 0's
+# weights.
 
 # %% tags=["exercise"] exercise="6.3"
 def save_then_load(model, rank, path):
