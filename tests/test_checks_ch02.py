@@ -7,267 +7,217 @@ names its mistake.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 import timeit
+from time import perf_counter as clock
 
+import numpy as np
 import pytest
 import torch
-import torch.utils.benchmark as tub
 
-from course_utils import Benchmark, bench
-from course_utils.bench import synchronize
 from course_utils.checks.ch02 import (
     check_measure,
-    check_roofline_point,
+    check_roofline_verdicts,
     check_run_epoch,
 )
 from course_utils.exercises import ExerciseFailed
 
+
+def fails(check, fn, *words):
+    with pytest.raises(ExerciseFailed) as e:
+        check(fn)
+    text = str(e.value)
+    for w in words:
+        assert w in text, text
+
+
+def placeholder(*args):
+    raise NotImplementedError("Exercise 2.x")
+
+
 # --- Exercise 2.1 ---------------------------------------------------------------
 
 
-def measure_hand_written(fn, device):
-    device = torch.device(device)
+def measure_median(fn, sync):
     fn()
+    sync()
     times = []
     for _ in range(5):
-        synchronize([device])
+        sync()
         start = time.perf_counter()
         fn()
-        synchronize([device])
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def measure_with_bench(fn, device):
-    return bench(fn, min_run_time=0.1).median
-
-
-def measure_with_timer(fn, device):
+def measure_loop_mean(fn, sync, calls=8):  # one clock around a loop, divided
     fn()
-    return tub.Timer("fn()", globals={"fn": fn}).blocked_autorange(
-        min_run_time=0.1).median
-
-
-def measure_with_benchmark(fn, device):
-    fn()
-    with Benchmark(device=device, verbose=False) as b:
-        for _ in range(8):
-            fn()
-    return b.elapsed / 8
-
-
-def measure_events_or_clock(fn, device):
-    if device.type == "cuda":
+    sync()
+    start = clock()
+    for _ in range(calls):
         fn()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
+    sync()
+    return (clock() - start) / calls
+
+
+class Timer:  # a context-manager timer, as the chapter's Benchmark
+    def __init__(self, sync):
+        self.sync = sync
+
+    def __enter__(self):
+        self.sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.sync()
+        self.elapsed = time.perf_counter() - self.start
+
+
+def measure_with_context_manager(fn, sync):
+    with Timer(sync):
+        fn()  # warm-up, waited for on exit
+    runs = []
+    for _ in range(4):
+        with Timer(sync) as t:
             fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / 5
+        runs.append(t.elapsed)
+    return min(runs)
+
+
+def measure_timeit(fn, sync):
     fn()
-    t0 = time.perf_counter()
-    for _ in range(5):
+    sync()
+
+    def once():
         fn()
-    torch.cpu.synchronize()
-    return (time.perf_counter() - t0) / 5
+        sync()
+    return min(timeit.repeat(once, number=2, repeat=3)) / 2
 
 
-def measure_median_no_warmup(fn, device):
+def measure_median_no_warmup(fn, sync):  # the median leaves the slow call out
     times = []
-    for _ in range(7):  # the median ignores the slow first call
-        synchronize([device])
-        t0 = time.perf_counter()
+    for _ in range(7):
+        start = time.perf_counter()
         fn()
-        synchronize([device])
-        times.append(time.perf_counter() - t0)
+        sync()
+        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def wait_for(device):
-    """A learner's own helper, defined outside measure: the checker follows it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_own_helper(fn, device):
-    fn()
-    total = 0.0
-    for _ in range(5):
-        wait_for(device)
-        t0 = time.perf_counter()
-        fn()
-        wait_for(device)
-        total += time.perf_counter() - t0
-    return total / 5
-
-
-def measure_backend_synchronize(fn, device):
-    sync = getattr(torch, device.type).synchronize  # torch.cpu / torch.cuda
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(4):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / 4
-
-
-def measure_timer_only(fn, device):
-    # no explicit warm-up: blocked_autorange's first, estimating runs are untimed
-    return tub.Timer("fn()", globals={"fn": fn}).blocked_autorange(
-        min_run_time=0.1).median
-
-
-def measure_tensor_result(fn, device):
-    fn()
-    times = []
-    for _ in range(5):
-        synchronize([device])
-        t0 = time.perf_counter()
-        fn()
-        synchronize([device])
-        times.append(time.perf_counter() - t0)
-    return torch.tensor(times).median()  # a one-number tensor of seconds
-
-
-def make_measure(sync, repeats):
-    def measure(fn, device):  # the wait comes from the closure
-        fn()
-        sync([device])
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        sync([device])
-        return (time.perf_counter() - t0) / repeats
-    return measure
-
-
-def measure_with_options(fn, device, repeats=5):
-    fn()
-    synchronize([device])
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    synchronize([device])
-    return (time.perf_counter() - t0) / repeats
+def measure_tensor_result(fn, sync):
+    return torch.tensor(measure_median(fn, sync))
 
 
 @pytest.mark.parametrize("measure", [
-    measure_hand_written, measure_with_bench, measure_with_timer,
-    measure_with_benchmark, measure_events_or_clock, measure_median_no_warmup,
-    measure_own_helper, measure_backend_synchronize, measure_timer_only,
-    measure_tensor_result, make_measure(synchronize, 6),
-    functools.partial(measure_with_options, repeats=4)])
-def test_measure_accepts_correct_methods(measure, capsys):
+    measure_median, measure_loop_mean, measure_with_context_manager, measure_timeit,
+    measure_median_no_warmup, measure_tensor_result])
+def test_measure_accepts_right_answers(measure, capsys):
     check_measure(measure)
     assert "Exercise 2.1 passed" in capsys.readouterr().out
 
 
-def wrong_no_warmup(fn, device):
-    synchronize([device])
-    t0 = time.perf_counter()
+def wrong_no_warmup_mean(fn, sync):
+    sync()
+    start = time.perf_counter()
     for _ in range(5):
         fn()
-    synchronize([device])
-    return (time.perf_counter() - t0) / 5
+    sync()
+    return (time.perf_counter() - start) / 5
 
 
-def wrong_single_run(fn, device):
+def wrong_single_run(fn, sync):
     fn()
-    synchronize([device])
-    t0 = time.perf_counter()
+    sync()
+    start = time.perf_counter()
     fn()
-    synchronize([device])
-    return time.perf_counter() - t0
+    sync()
+    return time.perf_counter() - start
 
 
-def wrong_total(fn, device):
+def wrong_total(fn, sync):
     fn()
-    synchronize([device])
-    t0 = time.perf_counter()
-    for _ in range(10):
+    sync()
+    start = time.perf_counter()
+    for _ in range(5):
         fn()
-    synchronize([device])
-    return time.perf_counter() - t0
+    sync()
+    return time.perf_counter() - start
 
 
-def wrong_never_waits(fn, device):
+def wrong_never_waits(fn, sync):
     fn()
     times = []
     for _ in range(5):
-        t0 = time.time()
+        start = time.perf_counter()
         fn()
-        times.append(time.time() - t0)
+        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def wrong_timeit_no_wait(fn, device):
-    """Times fn; no need to synchronize here (a docstring is not a wait)."""
+def wrong_waits_only_at_start(fn, sync):
     fn()
-    return timeit.timeit(fn, number=5) / 5
-
-
-def wrong_long_loop_no_warmup(fn, device):
-    synchronize([device])
-    t0 = time.perf_counter()
-    for _ in range(40):
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
         fn()
-    synchronize([device])
-    return (time.perf_counter() - t0) / 40
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
-def wrong_returns_timing(fn, device):
-    return bench(fn, min_run_time=0.05)
-
-
-def wrong_hard_coded_cuda(fn, device):
+def wrong_warmup_not_waited(fn, sync):  # the warm-up's work is still running
     fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    start = time.perf_counter()
+    for _ in range(5):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / 5
+
+
+def wrong_constant(fn, sync):  # the cost of one run, written down
     fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    sync()
+    for _ in range(4):
+        fn()
+    sync()
+    return 0.012
 
 
-# Without a GPU the checker reads the code for a wait; with one, the CUDA
-# workload shows that only the launches were timed.
-NO_WAIT = "LAUNCH" if torch.cuda.is_available() else "nothing in measure waits"
+def wrong_timeit_no_sync(fn, sync):
+    fn()
+    sync()
+    return min(timeit.repeat(fn, number=3, repeat=3)) / 3
+
+
+def wrong_returns_list(fn, sync):
+    fn()
+    sync()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 @pytest.mark.parametrize("measure, words", [
-    (wrong_no_warmup, "first call"),
-    (wrong_long_loop_no_warmup, "first call"),
-    (wrong_single_run, "called 2 time"),
-    (wrong_total, "total"),
-    (wrong_never_waits, NO_WAIT),
-    (wrong_timeit_no_wait, NO_WAIT),
-    (wrong_returns_timing, "Timing"),
+    (wrong_no_warmup_mean, ["slow first call", "warm up"]),
+    (wrong_single_run, ["at least 3"]),
+    (wrong_total, ["the total of all"]),
+    (wrong_never_waits, ["QUEUE", "sync()"]),
+    (wrong_waits_only_at_start, ["QUEUE"]),
+    (wrong_warmup_not_waited, ["slow first call", "then sync()"]),
+    (wrong_constant, ["25 ms of work per call"]),
+    (wrong_timeit_no_sync, ["QUEUE"]),
+    (wrong_returns_list, ["measure's return value"]),
+    (placeholder, ["placeholder"]),
 ])
 def test_measure_names_the_mistake(measure, words):
-    with pytest.raises(ExerciseFailed) as e:
-        check_measure(measure)
-    assert words in str(e.value)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the mistake only shows on a CPU")
-def test_measure_reports_hard_coded_cuda():
-    with pytest.raises(ExerciseFailed) as e:
-        check_measure(wrong_hard_coded_cuda)
-    assert "device.type == 'cuda'" in str(e.value)
-
-
-def test_measure_reports_the_placeholder():
-    def stub(fn, device):
-        raise NotImplementedError("Exercise 2.1")
-
-    with pytest.raises(ExerciseFailed, match="placeholder"):
-        check_measure(stub)
+    fails(check_measure, measure, *words)
 
 
 # --- Exercise 2.2 ---------------------------------------------------------------
@@ -301,7 +251,14 @@ def epoch_in_place(model, optimizer, batches, loss_fn):
     return total.item() / len(batches)
 
 
-@pytest.mark.parametrize("run_epoch", [epoch_detach_sum, epoch_stack, epoch_in_place])
+class EpochRunner:  # a class; the losses kept on the device in a list
+    def __call__(self, model, optimizer, batches, loss_fn):
+        kept = [_step(model, optimizer, loss_fn, x, y).detach() for x, y in batches]
+        return torch.stack(kept).sum().item() / len(kept)
+
+
+@pytest.mark.parametrize("run_epoch", [epoch_detach_sum, epoch_stack, epoch_in_place,
+                                       EpochRunner()])
 def test_run_epoch_accepts_correct(run_epoch, capsys):
     check_run_epoch(run_epoch)
     assert "Exercise 2.2 passed" in capsys.readouterr().out
@@ -354,7 +311,32 @@ def wrong_sum_not_mean(model, optimizer, batches, loss_fn):
     return total.item()
 
 
+def wrong_to_cpu_every_step(model, optimizer, batches, loss_fn):
+    total = 0.0
+    for x, y in batches:
+        total += _step(model, optimizer, loss_fn, x, y).detach().to("cpu")
+    return float(total) / len(batches)
+
+
+def wrong_numpy_every_step(model, optimizer, batches, loss_fn):
+    losses = []
+    for x, y in batches:
+        losses.append(np.asarray(_step(model, optimizer, loss_fn, x, y).detach()))
+    return float(np.mean(losses))
+
+
+def wrong_tolist_every_step(model, optimizer, batches, loss_fn):
+    total = 0.0
+    for x, y in batches:
+        total += _step(model, optimizer, loss_fn, x, y).detach().reshape(1).tolist()[0]
+    return total / len(batches)
+
+
 @pytest.mark.parametrize("run_epoch, words", [
+    (wrong_to_cpu_every_step, "to"),
+    (wrong_numpy_every_step, "__array__"),
+    (wrong_tolist_every_step, "tolist"),
+    (placeholder, "placeholder"),
     (wrong_item_every_step, "reads"),
     (wrong_print_every_step, "reads"),
     (wrong_keeps_graphs, "graphs alive"),
@@ -371,47 +353,113 @@ def test_run_epoch_names_the_mistake(run_epoch, words, capsys):
 # --- Exercise 2.3 ---------------------------------------------------------------
 
 
-def roofline_sizes(n, seconds, dtype):
-    flop, size = 2 * n**3, torch.empty((), dtype=dtype).element_size()
-    return flop / seconds, flop / (3 * n * n * size)
+def verdicts_ratio(points, peak_flops, bandwidth):
+    ridge = peak_flops / bandwidth
+    return [("compute" if f / b >= ridge else "memory",
+             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
 
 
-def roofline_finfo(n, seconds, dtype):
-    nbytes = 3 * n**2 * torch.finfo(dtype).bits // 8
-    return [2.0 * n * n * n / seconds, 2.0 * n * n * n / nbytes]
+def verdicts_roof(points, peak_flops, bandwidth):  # achieved over the roof
+    out = []
+    for flop, nbytes, seconds in points:
+        if flop == 0:  # a copy: only the bandwidth roof
+            out.append(("memory", nbytes / seconds / bandwidth))
+            continue
+        intensity = flop / nbytes
+        roof = min(peak_flops, intensity * bandwidth)
+        out.append(("compute" if roof == peak_flops else "memory",
+                    flop / seconds / roof))
+    return out
 
 
-@pytest.mark.parametrize("fn", [roofline_sizes, roofline_finfo])
-def test_roofline_accepts_correct(fn, capsys):
-    check_roofline_point(fn)
+def verdicts_cross_multiplied(points, peak_flops, bandwidth):
+    return [["compute" if f * bandwidth >= peak_flops * b else "memory",
+             np.float64(max(f / peak_flops, b / bandwidth) / t)]
+            for f, b, t in points]
+
+
+class Roofline:  # a class
+    def __call__(self, points, peak_flops, bandwidth):
+        return tuple(self.one(p, peak_flops, bandwidth) for p in points)
+
+    @staticmethod
+    def one(point, peak, bw):
+        flop, nbytes, seconds = point
+        t_compute, t_memory = flop / peak, nbytes / bw
+        return ("compute" if t_compute >= t_memory else "memory",
+                max(t_compute, t_memory) / seconds)
+
+
+@pytest.mark.parametrize("fn", [verdicts_ratio, verdicts_roof,
+                                verdicts_cross_multiplied, Roofline()])
+def test_roofline_accepts_right_answers(fn, capsys):
+    check_roofline_verdicts(fn)
     assert "Exercise 2.3 passed" in capsys.readouterr().out
 
 
-def wrong_one_flop_per_fma(n, seconds, dtype):
-    size = torch.empty((), dtype=dtype).element_size()
-    return n**3 / seconds, n**3 / (3 * n * n * size)
+def wrong_ridge_inverted(points, peak_flops, bandwidth):
+    ridge = bandwidth / peak_flops
+    return [("compute" if f / b >= ridge else "memory",
+             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
 
 
-def wrong_elements(n, seconds, dtype):
-    return 2 * n**3 / seconds, 2 * n**3 / (3 * n * n)
+def wrong_strictly_above(points, peak_flops, bandwidth):
+    ridge = peak_flops / bandwidth
+    return [("compute" if f / b > ridge else "memory",
+             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
 
 
-def wrong_no_output(n, seconds, dtype):
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * n**3 / seconds, 2 * n**3 / (2 * n * n * size)
+def wrong_one_flop_per_byte(points, peak_flops, bandwidth):  # a fixed ridge
+    return [("compute" if f > b else "memory",
+             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
 
 
-def wrong_one_number(n, seconds, dtype):
-    return 2 * n**3 / seconds
+def wrong_fraction_of_peak(points, peak_flops, bandwidth):
+    return [("compute" if f / b >= peak_flops / bandwidth else "memory",
+             f / t / peak_flops) for f, b, t in points]
+
+
+def wrong_fraction_inverted(points, peak_flops, bandwidth):
+    return [("compute" if f / b >= peak_flops / bandwidth else "memory",
+             t / max(f / peak_flops, b / bandwidth)) for f, b, t in points]
+
+
+def wrong_min_not_max(points, peak_flops, bandwidth):
+    return [("compute" if f / b >= peak_flops / bandwidth else "memory",
+             min(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+
+
+def wrong_by_achieved_rate(points, peak_flops, bandwidth):  # judges the speed
+    return [("compute" if f / t >= 0.5 * peak_flops else "memory",
+             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+
+
+def wrong_bound_only(points, peak_flops, bandwidth):
+    return ["compute" if f / b >= peak_flops / bandwidth else "memory"
+            for f, b, t in points]
+
+
+def wrong_short(points, peak_flops, bandwidth):  # forgets the last point
+    return verdicts_ratio(points[:-1], peak_flops, bandwidth)
+
+
+def wrong_words(points, peak_flops, bandwidth):
+    return [("compute-bound" if v[0] == "compute" else "memory-bound", v[1])
+            for v in verdicts_ratio(points, peak_flops, bandwidth)]
 
 
 @pytest.mark.parametrize("fn, words", [
-    (wrong_one_flop_per_fma, "2 floating-point operations"),
-    (wrong_elements, "element size"),
-    (wrong_no_output, "output C"),
-    (wrong_one_number, "a pair"),
+    (wrong_ridge_inverted, ["ridge point"]),
+    (wrong_strictly_above, ["exactly at the ridge"]),
+    (wrong_one_flop_per_byte, ["ridge point"]),
+    (wrong_fraction_of_peak, ["fraction of the roof", "min(peak"]),
+    (wrong_fraction_inverted, ["not its inverse"]),
+    (wrong_min_not_max, ["fraction of the roof"]),
+    (wrong_by_achieved_rate, ["ridge point"]),
+    (wrong_bound_only, ["a pair (bound, fraction)"]),
+    (wrong_short, ["one (bound, fraction) pair per point"]),
+    (wrong_words, ['"compute" or "memory"']),
+    (placeholder, ["placeholder"]),
 ])
 def test_roofline_names_the_mistake(fn, words):
-    with pytest.raises(ExerciseFailed) as e:
-        check_roofline_point(fn)
-    assert words in str(e.value)
+    fails(check_roofline_verdicts, fn, *words)

@@ -1,49 +1,44 @@
 """Checkers for Chapter 2, "CPU vs GPU, and measuring it right".
 
-Exercise 2.1 (``measure``) is checked with workloads whose true cost the
-checker knows, so it means something on a CPU-only machine too:
+Exercise 2.1 (``measure(fn, sync)``) is judged by what it returns for work
+whose true cost the checker knows, on every machine:
 
-- on every machine, a CPU workload whose first call is slow (0.3 s, like lazy
-  initialisation or a cold cache) and whose later calls take about 10 ms;
-- on a GPU, also a real CUDA workload (a large matmul launched
-  asynchronously, after the same slow first call), whose true time per call
-  the checker reads from CUDA events it records around every call.
+- on a **stand-in device**, a background thread that runs the queued work in
+  order: ``fn()`` queues a job and returns at once, as a CUDA launch does, and
+  ``sync()`` waits until every queued job has run, as
+  ``torch.cuda.synchronize()`` does. The first job takes 0.25 s (lazy
+  initialisation), later ones a time the checker picks and changes between
+  runs, so a constant cannot match. The jobs are sleeps: their cost does not
+  depend on how busy the machine is, and the thread records how long each
+  really took;
+- on a GPU, also a real CUDA workload (an asynchronous matmul after the same
+  slow first call), whose true time per call comes from CUDA events.
 
-Each failure names one mistake:
-
-- ``fn`` called fewer than 3 times: a single run (or one warm-up and one run)
-  measures noise and first-call costs, not the steady state;
-- a result near the *total* time of all calls: it was not divided by the
-  number of calls;
-- a result near the *mean including the first call*: no warm-up;
-- on a GPU, a result far *below* the true kernel time: the timer stopped
-  before the GPU finished (no ``synchronize``, no events);
-- on a CPU-only machine, a function that uses nothing that waits for a
-  device: no ``synchronize`` (``torch.cuda``'s, ``torch.cpu``'s,
-  ``torch.accelerator``'s or ``course_utils``'), no CUDA events, no
-  ``torch.utils.benchmark``, ``bench`` or ``Benchmark``. On a CPU every timing
-  is synchronous, so reading the code is the only way a CPU-only machine can
-  catch the missing wait that a GPU would expose. The reading is of the names
-  the function's *code* uses (not its comments or strings), including the
-  learner's own helpers that it calls, so a wait hidden in ``def sync(d): ...``
-  in another cell counts. On a GPU machine the CUDA workload is the judge and
-  the code is not read.
+Each failure names one mistake: fewer than 3 calls; the total instead of the
+time per call; the slow first call inside the measurement (no warm-up, or a
+warm-up whose work was still running when the clock started); a result far
+below the true time (the clock was read before the device finished: no
+``sync()`` at the end, or only one at the start).
 
 Exercise 2.2 (``run_epoch``) is checked by running it under a
-``TorchFunctionMode`` that counts reads of tensor values by the host
-(``.item()``, ``float()``, ``print``, ``.cpu()`` ...), with a loss function
+``TorchFunctionMode`` that counts every read of tensor values by the host
+(``.item()``, ``float()``, ``print``, ``.tolist()``, ``.cpu()``,
+``.to("cpu")``, ``.numpy()``, ``numpy.asarray`` ...), with a loss function
 that tags every step's autograd graph, so the checker sees how many graphs
-are still alive at each step. Exercise 2.3 (``roofline_point``) checks the
-FLOP and byte counts of a matmul against their definitions.
+are still alive at each step. Exercise 2.3 (``roofline_verdicts``) is given
+points measured on this machine and seeded points for published GPU peaks,
+including points exactly at the ridge.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import math
+import queue
+import random
+import statistics
+import threading
 import time
-import types
 import weakref
 
 import torch
@@ -52,47 +47,65 @@ from torch.overrides import TorchFunctionMode
 
 from course_utils.devices import try_gpu
 from course_utils.exercises import (
-    ExerciseFailed,
     call_learner,
     check_close,
     check_type,
     fail,
     passed,
+    require_solution,
 )
 
 # --- Exercise 2.1: time this workload correctly ---------------------------------
 
-FIRST_CALL_S = 0.3  # the slow first call (lazy initialisation)
-CALL_S = 0.01  # each later call of the CPU workload
+FIRST_CALL_S = 0.25  # the slow first call (lazy initialisation)
+CALLS_S = (0.012, 0.025)  # each later call, in the two stand-in runs
 MIN_CALLS = 3
-CPU_FACTOR = 1.25  # sleeps are precise: a correct CPU answer is within a few %
+CPU_FACTOR = 1.3  # the stand-in's sleeps are precise: a right answer is close
 GPU_FACTOR = 1.5  # a host timer adds launch and sync overhead to the event time
-# Pieces of the names a measure function uses (directly, through the objects
-# those names refer to, or through the learner's own helpers it calls) that
-# show it waits for the device before reading the clock, or leaves the waiting
-# to a tool that does: torch.cuda/cpu/accelerator.synchronize, a stream's
-# synchronize, course_utils' synchronize/Benchmark/bench, CUDA events,
-# torch.utils.benchmark (Timer, blocked_autorange), triton's do_bench.
-WAIT_MARKS = ("synchronize", "Event", "elapsed_time", "bench", "blocked_autorange",
-              "profiler")
 
 
-class SlowFirstCall:
-    """A CPU workload of known cost: the first call sleeps ``first`` seconds,
-    every later one ``each`` seconds. Records how long each call really took.
+class StandInDevice:
+    """A pretend asynchronous device: a worker thread runs queued jobs in order.
+
+    ``launch`` (the ``fn`` a learner times) queues one job and returns at
+    once; ``sync`` waits until every queued job has run. Records the true
+    duration of every job, and the order of launches and syncs.
     """
 
-    def __init__(self, first: float = FIRST_CALL_S, each: float = CALL_S):
+    def __init__(self, first: float = FIRST_CALL_S, each: float = CALLS_S[0]):
         self.first, self.each = first, each
         self.durations: list[float] = []
+        self.log: list[str] = []
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, daemon=True)
+        self._worker.start()
 
-    def __call__(self) -> None:
-        start = time.perf_counter()
-        time.sleep(self.first if not self.durations else self.each)
-        self.durations.append(time.perf_counter() - start)
+    def _work(self) -> None:
+        while True:
+            seconds = self._jobs.get()
+            if seconds is None:
+                self._jobs.task_done()
+                return
+            start = time.perf_counter()
+            time.sleep(seconds)
+            self.durations.append(time.perf_counter() - start)
+            self._jobs.task_done()
+
+    def launch(self) -> None:
+        self._jobs.put(self.first if "fn" not in self.log else self.each)
+        self.log.append("fn")
+
+    def sync(self, *args, **kwargs) -> None:
+        self.log.append("sync")
+        self._jobs.join()
 
     def true_durations(self) -> list[float]:
-        return self.durations
+        self._jobs.join()
+        return list(self.durations)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=30)
 
 
 class CudaMatmulWork:
@@ -105,16 +118,19 @@ class CudaMatmulWork:
     def __init__(self, device: torch.device, n: int = 4096,
                  first: float = FIRST_CALL_S):
         gen = torch.Generator(device=device).manual_seed(0)
+        self.device = device
         self.a = torch.randn(n, n, device=device, generator=gen)
         self.out = torch.empty_like(self.a)
         self.first = first
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.log: list[str] = []
         torch.mm(self.a, self.a, out=self.out)  # the checker's own warm-up
         torch.cuda.synchronize(device)
 
-    def __call__(self) -> None:
+    def launch(self) -> None:
         if not self.events:
             time.sleep(self.first)
+        self.log.append("fn")
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -122,172 +138,111 @@ class CudaMatmulWork:
         end.record()
         self.events.append((start, end))
 
+    def sync(self, *args, **kwargs) -> None:
+        self.log.append("sync")
+        torch.cuda.synchronize(self.device)
+
     def true_durations(self) -> list[float]:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
         gpu = [s.elapsed_time(e) / 1e3 for s, e in self.events]
         return [gpu[0] + self.first, *gpu[1:]] if gpu else []
+
+    def close(self) -> None:
+        pass
 
 
 def _near(value: float, target: float, factor: float) -> bool:
     return target / factor <= value <= target * factor
 
 
-def _judge_measure(ex: str, seconds, work, device: torch.device) -> float:
+def _waited_after_first(log: list[str]) -> bool:
+    """Whether ``sync`` ran between the first launch and the second."""
+    if "fn" not in log:
+        return False
+    rest = log[log.index("fn") + 1:]
+    return "sync" in rest[:rest.index("fn")] if "fn" in rest else "sync" in rest
+
+
+def _judge_measure(ex: str, seconds, work, where: str) -> float:
     """Fail with the mistake that explains ``seconds``; return the true time."""
     if isinstance(seconds, torch.Tensor) and seconds.numel() == 1:
         seconds = seconds.item()  # a one-number tensor of seconds is fine too
     if hasattr(seconds, "median"):
         fail(ex, "seconds per call, as a float",
              f"a {type(seconds).__name__} object",
-             "return a number, e.g. the .median of what bench() gives you")
+             "return a number, e.g. the .median of your timings")
     check_type(ex, seconds, (float, int), "measure's return value")
     durations = work.true_durations()
     calls = len(durations)
     if calls < MIN_CALLS:
         fail(ex, f"fn called at least {MIN_CALLS} times (warm-up, then repeats)",
-             f"fn called {calls} time(s)",
+             f"fn called {calls} time(s) {where}",
              "one timed call measures noise and first-call costs: warm up, then "
              "time several calls and take the median (or the mean of a loop)")
     seconds = float(seconds)
     if not math.isfinite(seconds) or seconds <= 0:
         fail(ex, "a positive number of seconds", f"{seconds!r}")
-    steady = sorted(durations[1:])[(calls - 1) // 2]  # median of the later calls
-    where = f"on {device}"
-    factor = GPU_FACTOR if device.type == "cuda" else CPU_FACTOR
+    steady = statistics.median(durations[1:])
+    factor = GPU_FACTOR if "GPU" in where else CPU_FACTOR
     if _near(seconds, steady, factor):
         return steady
-    total, total_later = sum(durations), sum(durations[1:])
-    if _near(seconds, total, 1.3) or _near(seconds, total_later, 1.3):
-        fail(ex, f"about {steady * 1e3:.3g} ms per call {where}",
-             f"{seconds * 1e3:.4g} ms, the total of all {calls} calls",
-             "divide the time of a loop by the number of calls in it")
-    if seconds > steady * factor and seconds >= 0.5 * (total / calls):
-        fail(ex, f"about {steady * 1e3:.3g} ms per call {where}",
+    expected = f"about {steady * 1e3:.3g} ms per call {where}"
+    total = sum(durations)
+    warm_up_hint = "warm up: call fn() once, then sync(), before starting the clock"
+    if seconds > steady * factor and not _waited_after_first(work.log):
+        fail(ex, expected,
              f"{seconds * 1e3:.4g} ms: the slow first call "
-             f"({durations[0] * 1e3:.0f} ms) is inside your measurement",
-             "warm up: call fn once (or a few times) before you start timing")
-    if seconds < steady / factor and device.type == "cuda":
-        fail(ex, f"about {steady * 1e3:.3g} ms per call {where} (from CUDA events)",
-             f"{seconds * 1e3:.4g} ms: only the time to LAUNCH the work",
-             "CUDA work is asynchronous: call torch.cuda.synchronize(device) before "
-             "reading the clock at the end (and the start), or use CUDA events")
-    fail(ex, f"about {steady * 1e3:.3g} ms per call {where}",
-         f"{seconds * 1e3:.4g} ms",
+             f"({durations[0] * 1e3:.0f} ms) was still running, or timed",
+             warm_up_hint)
+    if _near(seconds, total, 1.3) or _near(seconds, total - durations[0], 1.3):
+        fail(ex, expected, f"{seconds * 1e3:.4g} ms, the total of all {calls} calls",
+             "divide the time of a loop by the number of calls in it")
+    if seconds < steady / factor:
+        fail(ex, expected,
+             f"{seconds * 1e3:.4g} ms: only the time to QUEUE the work",
+             "the device runs fn's work after fn returns: call sync() after the "
+             "last call, before reading the clock (and before starting it)")
+    if seconds > steady * factor:
+        if _near(seconds, total / calls, 1.3):
+            fail(ex, expected, f"{seconds * 1e3:.4g} ms: the mean of every call, "
+                 f"the slow first one ({durations[0] * 1e3:.0f} ms) included",
+                 warm_up_hint)
+        fail(ex, expected, f"{seconds * 1e3:.4g} ms: more than the work takes",
+             "time only complete calls of fn (after a warm-up and a sync()) and "
+             "divide by how many")
+    fail(ex, expected, f"{seconds * 1e3:.4g} ms",
          "time only complete calls of fn (after a warm-up) and divide by how many")
     raise AssertionError("unreachable")
 
 
-def _code_of(obj):
-    """The Python code object behind a function, method, partial or callable."""
-    while isinstance(obj, functools.partial):
-        obj = obj.func
-    obj = getattr(obj, "__func__", obj)  # a bound method
-    if not isinstance(obj, types.FunctionType) and callable(obj):
-        obj = vars(type(obj)).get("__call__")
-    return obj if isinstance(obj, types.FunctionType) else None
-
-
-def _names_used(code: types.CodeType) -> set[str]:
-    """Global and attribute names in ``code`` and the functions nested in it."""
-    names = set(code.co_names) | set(code.co_freevars)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_used(const)
-    return names
-
-
-def _qualified(obj) -> str:
-    """``torch.utils.benchmark.utils.timer.Timer`` for an object, '' if unknown."""
-    if isinstance(obj, types.ModuleType):
-        return obj.__name__
-    kind = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-    return f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', '')}"
-
-
-def _waits_for_device(measure, depth: int = 3, seen=None) -> bool | None:
-    """Whether ``measure`` uses something that waits for a device.
-
-    Reads the names its code uses (never comments or strings), what those
-    names refer to (``tub`` is ``torch.utils.benchmark``), and, ``depth``
-    calls deep, the learner's own helpers that it calls. None when there is no
-    Python code to read.
-    """
-    fn = _code_of(measure)
-    if fn is None:
-        return None
-    seen = set() if seen is None else seen
-    if fn in seen:
-        return False
-    seen.add(fn)
-    names = _names_used(fn.__code__)
-    scope = dict(fn.__globals__)
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
-        try:
-            scope[name] = cell.cell_contents
-        except ValueError:  # a closure variable not assigned yet
-            pass
-    words = set(names)
-    helpers = []
-    for name in names & scope.keys():
-        obj = scope[name]
-        words.add(_qualified(obj))
-        own = _code_of(obj)
-        if own is not None and own.__module__ in (fn.__module__, "__main__"):
-            helpers.append(own)
-    if any(mark in word for word in words for mark in WAIT_MARKS):
-        return True
-    return depth > 0 and any(_waits_for_device(h, depth - 1, seen) for h in helpers)
-
-
-def _seconds(value) -> float:
-    return float(value.item() if isinstance(value, torch.Tensor) else value)
-
-
-def _call_measure(ex: str, measure, work, device: torch.device):
+def _run_measure(ex: str, measure, work, where: str) -> float:
     try:
-        return call_learner(ex, measure, work, device)
-    except ExerciseFailed as e:
-        no_cuda = ("not compiled with CUDA", "NVIDIA driver", "no CUDA GPUs",
-                   "No CUDA GPUs", "accelerator device when none is available")
-        if any(words in e.seen for words in no_cuda):
-            fail(ex, e.expected, e.seen,
-                 "you were given a CPU: synchronise only when device.type == 'cuda' "
-                 "(or use bench(), which does it for you)")
-        raise
+        seconds = call_learner(ex, measure, work.launch, work.sync)
+        return _judge_measure(ex, seconds, work, where)
+    finally:
+        work.close()
 
 
 def check_measure(measure) -> None:
-    """Exercise 2.1: ``measure(fn, device)`` returns seconds per call of ``fn``."""
+    """Exercise 2.1: ``measure(fn, sync)`` returns seconds per call of ``fn``."""
     ex = "2.1"
-    cpu = torch.device("cpu")
-    work = SlowFirstCall()
-    seconds = _call_measure(ex, measure, work, cpu)
-    _judge_measure(ex, seconds, work, cpu)
+    require_solution(ex, measure)
+    for each in CALLS_S:
+        _run_measure(ex, measure, StandInDevice(each=each),
+                     f"on the stand-in device ({each * 1e3:.0f} ms of work per call)")
+    note = "the stand-in device timed right, at two costs per call"
     device = try_gpu()
-    if device.type == "cuda":  # a real asynchronous workload is the judge
-        gpu_work = CudaMatmulWork(device)
-        seconds = _call_measure(ex, measure, gpu_work, device)
-        steady = _judge_measure(ex, seconds, gpu_work, device)
-        note = (f"CPU workload timed correctly; GPU matmul "
-                f"{_seconds(seconds) * 1e3:.3g} ms (CUDA events around each call: "
-                f"{steady * 1e3:.3g} ms)")
-    else:  # every CPU timing is synchronous: read the code for a wait
-        if _waits_for_device(measure) is False:
-            fail(ex, "a measurement that waits for the device before reading the "
-                 "clock", "nothing in measure waits (no synchronize, CUDA events, "
-                 "bench, Benchmark or torch.utils.benchmark)",
-                 "on the CPU this gives the right number by luck; on a GPU it would "
-                 "time only the launches: synchronise `device` (it does nothing on a "
-                 "CPU), or use CUDA events, bench() or torch.utils.benchmark")
-        note = ("CPU workload timed correctly, and measure waits for the device "
-                "(on a GPU the checker also times a real CUDA matmul)")
+    if device.type == "cuda":  # a real asynchronous workload as well
+        steady = _run_measure(ex, measure, CudaMatmulWork(device), "on the GPU")
+        note += f"; a GPU matmul timed at {steady * 1e3:.3g} ms per call (CUDA events)"
     passed(ex, note + ".")
 
 
 # --- Exercise 2.2: log the loss without a sync per step or a graph kept alive -----
 
-HOST_READS = frozenset({"item", "__float__", "__int__", "__bool__", "tolist", "cpu",
-                        "numpy", "__format__", "__repr__", "__str__"})
+HOST_READS = frozenset({"item", "__float__", "__int__", "__index__", "__bool__",
+                        "__complex__", "tolist", "cpu", "numpy", "__array__",
+                        "__format__", "__repr__", "__str__"})
 MAX_GRAPHS_ALIVE = 2  # the step's own graph and, at most, the previous one
 
 
@@ -300,9 +255,11 @@ class CountHostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        moved_to_host = (name == "to" and isinstance(args[0], torch.Tensor)
-                         and args[0].device.type != "cpu"
-                         and "cpu" in map(str, (*args[1:], *(kwargs or {}).values())))
+        # .to("cpu") copies to the host: a wait on a GPU, and the same code here
+        # (a device spelled as a string: `.to(x.device)` keeps data where x is)
+        moved_to_host = (name == "to" and isinstance(args[0], torch.Tensor) and any(
+            isinstance(a, str) and a.startswith("cpu")
+            for a in (*args[1:], *(kwargs or {}).values())))
         if name in HOST_READS or moved_to_host:
             self.reads.append(name)
         return func(*args, **(kwargs or {}))
@@ -360,6 +317,7 @@ def _reference_epoch(model, batches, lr):
 def check_run_epoch(run_epoch) -> None:
     """Exercise 2.2: ``run_epoch(model, optimizer, batches, loss_fn) -> float``."""
     ex = "2.2"
+    require_solution(ex, run_epoch)
     device, lr = try_gpu(), 0.05
     model, batches = _setup(device)
     ref_model = copy.deepcopy(model)
@@ -394,8 +352,9 @@ def check_run_epoch(run_epoch) -> None:
         names = sorted(set(counter.reads))
         fail(ex, "one read of the loss by Python per epoch (at the end)",
              f"{len(counter.reads)} reads ({', '.join(names)}) in {steps} steps",
-             "each .item()/float()/print of a GPU tensor waits for the GPU: "
-             "accumulate loss.detach() on the device and read it once at the end")
+             "each .item(), float(), print, .tolist(), .cpu(), .to('cpu') or "
+             ".numpy() of a GPU tensor waits for the GPU: accumulate "
+             "loss.detach() on the device and read it once at the end")
     check_type(ex, result, (float, int), "run_epoch's return value")
     check_close(ex, result, expected, rtol=1e-4, atol=1e-6,
                 what="the mean loss of the epoch",
@@ -404,36 +363,105 @@ def check_run_epoch(run_epoch) -> None:
                f"at most {most_alive} graph(s) alive.")
 
 
-# --- Exercise 2.3: a matmul's point on the roofline -----------------------------
-
-CASES = [(64, 1e-5, torch.float32), (1024, 2e-3, torch.float16),
-         (300, 7e-4, torch.float64), (4096, 0.12, torch.bfloat16)]
+# --- Exercise 2.3: which roof limits a measured kernel? --------------------------
 
 
-def check_roofline_point(roofline_point) -> None:
-    """Exercise 2.3: ``roofline_point(n, seconds, dtype) -> (flop/s, flop/byte)``."""
+def _verdicts(points, peak: float, bandwidth: float) -> list[tuple[str, float]]:
+    ridge = peak / bandwidth
+    out = []
+    for flop, nbytes, seconds in points:
+        bound = "compute" if flop >= ridge * nbytes else "memory"
+        out.append((bound, max(flop / peak, nbytes / bandwidth) / seconds))
+    return out
+
+
+def _measured_points() -> list[tuple[float, float, float]]:
+    """A matmul and an add timed on this machine (their true costs do not matter:
+    the checker compares the learner's verdicts with its own on the same points)."""
+    pts = []
+    for n in (48, 160):
+        a = torch.randn(n, n)
+        start = time.perf_counter()
+        for _ in range(5):
+            torch.mm(a, a)
+        pts.append((2.0 * n**3, 12.0 * n * n, (time.perf_counter() - start) / 5))
+    x = torch.randn(1 << 16)
+    start = time.perf_counter()
+    for _ in range(5):
+        torch.add(x, x)
+    pts.append((float(1 << 16), 12.0 * (1 << 16), (time.perf_counter() - start) / 5))
+    return pts
+
+
+def _synthetic(peak: float, bandwidth: float, seed: int):
+    """Seeded kernels on both sides of a device's ridge, and a copy."""
+    rng = random.Random(seed)
+    ridge = peak / bandwidth
+    pts = []
+    for intensity in (ridge / 40, ridge / 3, ridge * 3, ridge * 25):
+        nbytes = float(rng.randrange(1 << 20, 1 << 30))
+        flop = intensity * nbytes
+        roof_t = max(flop / peak, nbytes / bandwidth)
+        pts.append((flop, nbytes, roof_t / rng.uniform(0.05, 0.95)))
+    pts.append((0.0, 2.0**28, 2.0**28 / bandwidth * 1.25))  # a copy: no FLOP
+    rng.shuffle(pts)
+    return pts
+
+
+def check_roofline_verdicts(roofline_verdicts) -> None:
+    """Exercise 2.3: ``roofline_verdicts(points, peak_flops, bandwidth)``."""
     ex = "2.3"
-    for n, seconds, dtype in CASES:
-        out = call_learner(ex, roofline_point, n, seconds, dtype)
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            fail(ex, "a pair (FLOP per second, FLOP per byte)", f"{out!r:.80}")
-        rate, intensity = (float(v) for v in out)
-        size = torch.empty((), dtype=dtype).element_size()
-        flops, nbytes = 2 * n**3, 3 * n * n * size
-        case = f"n={n}, {seconds} s, {str(dtype).replace('torch.', '')}"
-        if math.isclose(rate, flops / 2 / seconds, rel_tol=1e-6):
-            fail(ex, f"{flops / seconds:.4g} FLOP/s for {case}", f"{rate:.4g}",
-                 "each of the n^3 multiply-adds is 2 floating-point operations")
-        check_close(ex, rate, flops / seconds, rtol=1e-6, what=f"FLOP/s for {case}",
-                    hint="an n x n @ n x n matmul does 2 n^3 FLOP")
-        if math.isclose(intensity, flops / (3 * n * n), rel_tol=1e-6) and size != 1:
-            fail(ex, f"{flops / nbytes:.4g} FLOP/byte for {case}", f"{intensity:.4g}",
-                 "that is FLOP per element: multiply by the element size in bytes "
-                 "(t.element_size(), or torch.finfo(dtype).bits // 8)")
-        if math.isclose(intensity, flops / (2 * n * n * size), rel_tol=1e-6):
-            fail(ex, f"{flops / nbytes:.4g} FLOP/byte for {case}", f"{intensity:.4g}",
-                 "count the bytes of the output C too: A and B read, C written")
-        check_close(ex, intensity, flops / nbytes, rtol=1e-6,
-                    what=f"FLOP per byte for {case}",
-                    hint="bytes = 3 n^2 x element size (read A and B, write C once)")
-    passed(ex, f"{len(CASES)} sizes and dtypes.")
+    require_solution(ex, roofline_verdicts)
+    from course_utils import predict  # published peaks of named GPUs
+
+    # a made-up CPU whose ridge, 2.5 FLOP/byte, is exact in binary, with a
+    # kernel exactly on it (however the comparison is written, it is equal)
+    on_ridge = (2.5 * 4096, 4096.0, 4096 / 20e9 * 2)
+    cases = [("this CPU (measured points, made-up peaks)",
+              [*_measured_points(), on_ridge], 50e9, 20e9)]
+    for k, (gpu, math_mode) in enumerate((("h100_sxm", "fp32"), ("a100_sxm_80gb",
+                                                                  "bf16"),
+                                          ("t4", "fp32"))):
+        peak, bw = predict.peak_flops(gpu, math_mode), predict.memory_bandwidth(gpu)
+        cases.append((f"{predict.gpu_name(gpu)} {math_mode}",
+                      _synthetic(peak, bw, seed=k), peak, bw))
+    for name, points, peak, bw in cases:
+        got = call_learner(ex, roofline_verdicts, list(points), peak, bw)
+        want = _verdicts(points, peak, bw)
+        if not isinstance(got, (list, tuple)) or len(got) != len(points):
+            fail(ex, f"one (bound, fraction) pair per point ({len(points)})",
+                 f"{type(got).__name__}: {got!r:.80}")
+        for (flop, nbytes, seconds), g, (bound, fraction) in zip(points, got, want,
+                                                                 strict=True):
+            point = (f"{flop:.4g} FLOP, {nbytes:.4g} bytes in {seconds:.3g} s on "
+                     f"{name} (peak {peak:.3g} FLOP/s, {bw:.3g} B/s)")
+            if not isinstance(g, (list, tuple)) or len(g) != 2:
+                fail(ex, "a pair (bound, fraction) for each point", f"{g!r:.60}")
+            g_bound, g_fraction = g
+            if g_bound not in ("compute", "memory"):
+                fail(ex, 'bound "compute" or "memory"', f"{g_bound!r}")
+            if g_bound != bound:
+                on_ridge = math.isclose(flop, peak / bw * nbytes, rel_tol=1e-12)
+                fail(ex, f"{bound}-bound for {point}", f"{g_bound}-bound",
+                     "exactly at the ridge counts as compute-bound (intensity >= "
+                     "ridge)" if on_ridge else
+                     "compare the intensity (FLOP per byte moved) with the ridge "
+                     "point, peak FLOP/s / bandwidth: above it, the FLOP roof "
+                     "limits; below, the bandwidth roof")
+            try:
+                g_fraction = float(g_fraction)
+            except (TypeError, ValueError):
+                fail(ex, "a number for the fraction of the roof", f"{g_fraction!r}")
+            if math.isclose(g_fraction, 1 / fraction, rel_tol=1e-6) and not (
+                    math.isclose(fraction, 1.0, rel_tol=1e-6)):
+                fail(ex, f"fraction {fraction:.4g} for {point}", f"{g_fraction:.4g}",
+                     "the fraction is the time the roof allows over the measured "
+                     "time (at most 1), not its inverse")
+            check_close(ex, g_fraction, fraction, rtol=1e-6,
+                        what=f"the fraction of the roof reached, for {point}",
+                        hint="the roof at this intensity is min(peak, intensity x "
+                             "bandwidth); equivalently the kernel needs at least "
+                             "max(FLOP / peak, bytes / bandwidth) seconds: divide "
+                             "that by the measured time")
+    passed(ex, f"{sum(len(c[1]) for c in cases)} kernels on {len(cases)} devices, "
+               "including one on the ridge and a copy with no FLOP.")
