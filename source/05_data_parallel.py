@@ -44,7 +44,7 @@ from IPython.display import Image, display
 from torch import nn
 from torch.func import functional_call
 
-from course_utils import banner, reference, try_all_gpus
+from course_utils import banner, predict, reference, try_all_gpus
 from course_utils.bench import format_seconds
 from course_utils.build import ROOT
 from course_utils.checks.ch05 import (
@@ -207,18 +207,34 @@ print(f"largest gradient difference: {worst:.2e} (rounding only)")
 # With two or more GPUs, PyTorch's own `nn.DataParallel` must agree too:
 
 # %%
+def compare(name, out, params):
+    """How far an output and its gradients are from the one-device run."""
+    nn.functional.mse_loss(out, y.to(out.device)).backward()
+    out_diff = (out.detach().cpu() - single(x).detach().cpu()).abs().max().item()
+    grad_diff = max((p.grad.cpu() - q.grad.cpu()).abs().max().item()
+                    for p, q in zip(params, single.parameters(), strict=True))
+    print(f"{name}: output differs by {out_diff:.2e}, gradients by {grad_diff:.2e}")
+
+
 if len(GPUS) >= 2:
-    ref_model = copy.deepcopy(single).to(GPUS[0])
-    ref_model.zero_grad()
-    wrapped = nn.DataParallel(ref_model, device_ids=GPUS[:3], output_device=GPUS[0])
-    nn.functional.mse_loss(wrapped(x.to(GPUS[0])), y.to(GPUS[0])).backward()
-    worst = max((p.grad - q.grad.to(p.device)).abs().max().item()
-                for p, q in zip(ref_model.parameters(), single.parameters(),
-                                strict=True))
-    print(f"nn.DataParallel on {len(GPUS[:3])} GPUs: largest gradient difference "
-          f"{worst:.2e}")
+    gpus = GPUS[:3]
+    # PyTorch's four primitives, one by one
+    base = copy.deepcopy(single).to(gpus[0])
+    base.zero_grad()
+    replicas = nn.parallel.replicate(base, gpus)
+    pieces = nn.parallel.scatter(x.to(gpus[0]), gpus)
+    outs = nn.parallel.parallel_apply(replicas[:len(pieces)], pieces)
+    compare("replicate + scatter + parallel_apply + gather",
+            nn.parallel.gather(outs, gpus[0]), list(base.parameters()))
+    # and the module that does all four
+    base = copy.deepcopy(single).to(gpus[0])
+    base.zero_grad()
+    wrapped = nn.DataParallel(base, device_ids=gpus, output_device=gpus[0])
+    compare(f"nn.DataParallel on {len(gpus)} GPUs", wrapped(x.to(gpus[0])),
+            list(base.parameters()))
 else:
-    print(f"{len(GPUS)} GPU(s) here: nn.DataParallel needs two to do anything")
+    print(f"{len(GPUS)} GPU(s) here: PyTorch's primitives and nn.DataParallel need "
+          "two to do anything; the hand-made ones above stand in for them")
 
 # %% [markdown]
 # ## 4. How a batch is split
@@ -253,6 +269,54 @@ widgets.interact(draw_split,
                                            continuous_update=False));
 
 # %% [markdown]
+# Keyword arguments go through the same scatter. A tensor is cut along `dim`
+# like a positional one; anything else (a flag, a number, `None`) is given to
+# every replica as it is. This is what `nn.parallel.scatter_kwargs` does; by
+# hand it is a few more lines, and a forward pass with a `mask=` keyword shows
+# it working:
+
+# %%
+def scatter_kwargs(args, kwargs, devices, dim=0):
+    """Per device: (its args, its kwargs); tensors cut, everything else copied."""
+    def cut(value):
+        if isinstance(value, torch.Tensor):
+            return scatter(value, devices, dim)
+        return [value] * len(devices)
+
+    cut_args = [cut(a) for a in args]
+    cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
+    n = min(len(c) for c in [*cut_args, *cut_kwargs.values()])  # chunk may give fewer
+    return [(tuple(c[i] for c in cut_args), {k: c[i] for k, c in cut_kwargs.items()})
+            for i in range(n)]
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x, mask=None, scale=1.0):
+        out = self.lin(x) * scale
+        return out if mask is None else out * mask
+
+
+torch.manual_seed(1)
+masked = Masked()
+xs, mask = torch.randn(7, 5), (torch.rand(7, 1) > 0.3).float()
+per_device = scatter_kwargs((xs,), {"mask": mask, "scale": 2.0}, devices)
+for i, (a, kw) in enumerate(per_device):
+    print(f"device {i}: x {tuple(a[0].shape)}, mask {tuple(kw['mask'].shape)}, "
+          f"scale {kw['scale']}")
+outs = [masked(*a, **kw) for a, kw in per_device]
+print("same as one device:", torch.allclose(torch.cat(outs), masked(xs, mask=mask,
+                                                                   scale=2.0)))
+if len(GPUS) >= 2:
+    theirs = nn.parallel.scatter_kwargs((xs.to(GPUS[0]),), {"mask": mask, "scale": 2.0},
+                                        GPUS[:3])
+    print("PyTorch's scatter_kwargs gives pieces of",
+          [tuple(a[0].shape) for a in theirs[0]])
+
+# %% [markdown]
 # ## 5. Why device 0 holds more
 #
 # Device 0 keeps everything the others have (a replica's parameters and its
@@ -281,6 +345,43 @@ print(f"  [{memory.label}]")
 # the extra work of scattering, gathering, the loss and the optimizer step,
 # while the others wait. DistributedDataParallel gives every device the same
 # job instead (Chapter 6).
+#
+# What about time? Per step, DataParallel copies the parameters from device 0
+# to every replica *before* the forward pass (replicate) and sums the
+# gradients back onto device 0 *after* the backward pass: about `4P` bytes
+# each way over each link, and neither can overlap with compute. DDP moves
+# about as many bytes in its ring all-reduce (`2(n-1)/n x 4P`), but during
+# the backward pass (Chapter 6, gradient buckets). A model of one step, for
+# the 1-billion-parameter model on H100s linked by NVLink, with a compute
+# time per step chosen for the example (100 ms); DataParallel's Python
+# overhead (one process launching every replica's kernels, its threads
+# sharing the GIL) is left out, so its real cost is higher still:
+
+# %%
+COMPUTE_S = 0.100  # an example compute time per step, the same for both
+link = predict.link_bandwidth("nvlink_h100")
+rows = {}
+for n in (2, 4, 8):
+    dp_comm = 2 * 4 * P / link  # broadcast the parameters, reduce the gradients
+    ddp_comm = predict.ring_allreduce_seconds(4 * P, n, "nvlink_h100").value
+    rows[n] = (COMPUTE_S + dp_comm, max(COMPUTE_S, ddp_comm))
+step_model = reference.predicted(
+    rows, "s", f"n x {predict.gpu_name('h100_sxm')} over NVLink 4",
+    "DataParallel: compute + 4P bytes broadcast + 4P bytes reduced, not overlapped; "
+    "DDP: max(compute, ring all-reduce of 4P bytes), overlapped; P = 1e9, compute "
+    "100 ms per step (an example), Python and thread overhead left out",
+    ["h100_sxm.nvlink_bandwidth_total_gbps"])
+for n, (dp_s, ddp_s) in rows.items():
+    print(f"  {n} GPUs: DataParallel {dp_s * 1e3:6.1f} ms per step, DDP "
+          f"{ddp_s * 1e3:6.1f} ms ({dp_s / ddp_s:.2f}x)")
+print(f"  [{step_model.label}]")
+
+# %% [markdown]
+# The prediction does not change with `n`: both move about `4P` bytes per
+# link each way whatever the number of GPUs. What separates them is that DDP
+# hides its communication behind the backward pass and DataParallel cannot -
+# and, in practice, DataParallel's single Python process, which this model
+# leaves out.
 #
 # ## 6. Why threads make it slow
 #
