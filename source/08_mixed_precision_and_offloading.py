@@ -346,6 +346,18 @@ with torch.device("meta"):
 n_params = sum(p.numel() for p in big.parameters())
 print(f"{n_params / 1e9:.2f} billion parameters, built in "
       f"{time.perf_counter() - t0:.1f} s on the meta device, no memory allocated")
+
+# Adam's state, counted from Adam itself: one real step on meta gradients
+for p in big.parameters():
+    p.grad = torch.empty_like(p)  # meta, like the parameter
+adam = torch.optim.Adam(big.parameters())
+adam.step()  # creates exp_avg and exp_avg_sq for every parameter, on meta
+state_bytes = sum(t.numel() * t.element_size() for st in adam.state.values()
+                  for t in st.values() if t.device.type == "meta")
+print(f"Adam's state after one step: {state_bytes / 1e9:.1f} GB = "
+      f"{state_bytes / n_params:.1f} bytes per parameter (exp_avg and exp_avg_sq; "
+      "its step counters are a few bytes each, on the CPU)")
+del adam
 for name, per_param in (("fp32 + Adam", 16), ("mixed precision + Adam", 16 + 2),
                         ("bf16 weights and gradients, fp32 Adam", 2 + 2 + 8)):
     print(f"  {name:40} {n_params * per_param / 1e9:7.0f} GB before activations")
@@ -412,9 +424,15 @@ print(f"verdict: {ckpt['no checkpointing'][0] / ckpt['every 4 blocks'][0]:.0f}x 
 # build the optimizer **after** the parameters have their final placement, or
 # keep the same parameter objects (`module.to()` moves them in place, so an
 # optimizer made before still holds the right ones; one made from copies
-# would not). The cost is the transfer: every step moves each offloaded half
-# in and out. Here the slower tier is a file, and the weights after training
-# must equal a run that kept everything resident:
+# would not). And its `loss.backward()` runs the backward pass of the first
+# half after that half went back to the CPU, while its activations are on the
+# GPU: the backward must wait until the half is back, so the boundary is
+# crossed by hand - detach there, back-propagate the second half, move the
+# halves, then `h.backward(h_in.grad)` (the chain rule across a split,
+# Chapter 7). Optimizer state would have to move too; plain SGD has none. The
+# cost is the transfer: every step moves each offloaded half in and out. Here
+# the slower tier is a file, and the weights after training must equal a run
+# that kept everything resident:
 
 # %%
 torch.manual_seed(1)
@@ -460,6 +478,75 @@ same = all(torch.equal(p, q) for p, q in zip(full.parameters(), swapped.paramete
                                              strict=True))
 print(f"weights equal to the resident run: {same}; time {format_seconds(t_resident)} "
       f"resident, {format_seconds(t_swapped)} swapping ({t_swapped / t_resident:.1f}x)")
+if torch.cuda.is_available():  # the seed's swap for real, with the GPU's own counter
+    gpu = torch.device("cuda")
+    mse = nn.functional.mse_loss
+
+    def halves():
+        torch.manual_seed(1)
+        net = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(8)])
+        return net[:4], net[4:]
+
+    def resident_step(half1, half2, opt, x, y):
+        mse(half2(half1(x)), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def swapping_step(half1, half2, opt1, opt2, x, y):
+        """Only one half (and its gradients) on the GPU at a time."""
+        half1.to(gpu)
+        h = half1(x)
+        half1.to("cpu")  # in place: opt1 keeps the same parameter objects
+        h_in = h.detach().requires_grad_()  # the boundary, crossed by hand below
+        half2.to(gpu)
+        mse(half2(h_in), y).backward()  # half 2's gradients, and h_in.grad
+        opt2.step()
+        opt2.zero_grad(set_to_none=True)
+        half2.to("cpu")
+        half1.to(gpu)  # its activations waited on the GPU
+        h.backward(h_in.grad)  # the chain rule across the boundary (Chapter 7)
+        opt1.step()
+        opt1.zero_grad(set_to_none=True)
+
+    def peak_and_weights(swap, steps=3):
+        half1, half2 = halves()
+        # optimizers after the placement is decided, over the same parameter
+        # objects that .to() moves in place (plain SGD: no state to move)
+        if swap:
+            opts = (torch.optim.SGD(half1.parameters(), lr=1e-3),
+                    torch.optim.SGD(half2.parameters(), lr=1e-3))
+        else:
+            half1.to(gpu)
+            half2.to(gpu)
+            opts = (torch.optim.SGD([*half1.parameters(), *half2.parameters()],
+                                    lr=1e-3),)
+        g = torch.Generator(device=gpu).manual_seed(2)
+        x = torch.randn(64, 4096, device=gpu, generator=g)
+        y = torch.randn(64, 4096, device=gpu, generator=g)
+        torch.cuda.synchronize(gpu)
+        torch.cuda.reset_peak_memory_stats(gpu)
+        for _ in range(steps):
+            if swap:
+                swapping_step(half1, half2, *opts, x, y)
+            else:
+                resident_step(half1, half2, *opts, x, y)
+        torch.cuda.synchronize(gpu)
+        weights = [p.detach().cpu() for p in (*half1.parameters(),
+                                               *half2.parameters())]
+        return torch.cuda.max_memory_allocated(gpu), weights
+
+    (resident_peak, w_res), (swapped_peak, w_swap) = (peak_and_weights(False),
+                                                      peak_and_weights(True))
+    close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                for a, b in zip(w_res, w_swap, strict=True))
+    print(f"on {torch.cuda.get_device_name(gpu)} (torch.cuda.max_memory_allocated): "
+          f"peak {resident_peak / 2**20:.0f} MiB resident, {swapped_peak / 2**20:.0f} "
+          f"MiB swapping halves; same weights after 3 steps: {close}")
+else:
+    print("no GPU: the swap above used a file as the slow tier. With a GPU, this "
+          "cell also runs the seed's swap for real, one half on the GPU at a time, "
+          "and reads torch.cuda.max_memory_allocated (which, on a CPU-only build, "
+          "returns 0 without an error: never read it without a GPU)")
 half_bytes = sum(p.numel() * 4 for p in full[2:].parameters())
 for n_params_half in (half_bytes / 4, 3.5e9):
     f = predict.copy_seconds(8 * n_params_half, "pcie4_x16", "a GPU on PCIe 4.0 x16")
