@@ -17,32 +17,36 @@
 # **What you will learn**
 #
 # - How to split one model across devices, and why the backward pass crosses
-#   the split by itself (the chain rule).
+#   the split by itself: the chain rule, done by hand once, then by autograd.
 # - Why a naively split model leaves devices idle, and how micro-batches
-#   (GPipe) shrink the **bubble** to `(p - 1) / (m + p - 1)`.
-# - 1F1B: the same bubble, far less memory; `torch.distributed.pipelining`,
-#   PyTorch's pipeline library; and pipeline + data parallelism together.
+#   (GPipe) shrink the **bubble** to `(p - 1) / (m + p - 1)` - predicted,
+#   simulated and measured.
+# - 1F1B: the same bubble, far less memory; interleaved stages; the schedules
+#   of `torch.distributed.pipelining`, PyTorch's pipeline library, including
+#   zero-bubble and DualPipeV.
+# - Pipeline and data parallelism together, on a 2 x 2 device mesh.
 #
 # **Hardware.** The stages are real processes that pass activations and
 # gradients to each other through `gloo` - on GPUs, one stage per GPU - so the
-# bubble below is measured, not drawn. On a 2-core machine each stage gets a
-# core. Without GPUs, the chapter says so and adds labelled predictions.
+# bubble below is measured, not drawn. On a 2-core machine each of two stages
+# gets a core (with four stages they share). Without GPUs, the GPU side is
+# shown as the published results of PyTorch's model-parallel tutorial and as
+# labelled predictions.
 
 # %%
 import copy
 import time
+import warnings
 from importlib.util import find_spec
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
-from IPython.display import Image, display
 from torch import nn
 
-from course_utils import banner, images, reference
-from course_utils.build import ROOT
-from course_utils.checks.ch07 import check_gpipe, check_idle_fraction, check_one_f_one_b
+from course_utils import banner, plots, reference
+from course_utils.checks.ch07 import check_gpipe, check_one_f_one_b, check_split_stages
 from course_utils.dist import launch
 from course_utils.plots import plot_timeline
 
@@ -59,8 +63,7 @@ banner()
 
 # %%
 gpus = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
-dev_a, dev_b = (gpus + gpus + [torch.device("cpu")] * 2)[:2] if gpus else \
-    (torch.device("cpu"), torch.device("cpu"))
+dev_a, dev_b = (gpus * 2)[:2] if gpus else (torch.device("cpu"),) * 2
 torch.manual_seed(0)
 whole = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                       nn.Linear(64, 8))
@@ -70,200 +73,488 @@ x, y = torch.randn(16, 32), torch.randn(16, 8)
 nn.functional.mse_loss(whole(x), y).backward()
 out = part_b(part_a(x.to(dev_a)).to(dev_b))
 nn.functional.mse_loss(out, y.to(dev_b)).backward()
-pairs = zip(list(part_a.parameters()) + list(part_b.parameters()), whole.parameters(),
-            strict=True)
-worst = max((p.grad.cpu() - q.grad).abs().max().item() for p, q in pairs)
-print(f"parts on {dev_a} and {dev_b}: largest gradient difference {worst:.1e}"
+
+
+def worst_difference(parts, reference_model):
+    pairs = zip([p for part in parts for p in part.parameters()],
+                reference_model.parameters(), strict=True)
+    return max((p.grad.cpu() - q.grad).abs().max().item() for p, q in pairs)
+
+
+print(f"parts on {dev_a} and {dev_b}: largest gradient difference "
+      f"{worst_difference((part_a, part_b), whole):.1e}"
       + ("" if gpus else " (no GPU: both parts on the CPU, the same code)"))
 
 # %% [markdown]
-# ## 2. Stages as processes, and the bubble
-#
-# In one process the two halves run one after the other even on two GPUs:
-# the second waits for the first. To see what a pipeline does we give each
-# stage its own process (as each GPU would have its own stream of work):
-# stage 0 runs its layers and **sends** the activation to stage 1, which
-# finishes the forward pass and the loss; then stage 1 sends the gradient of
-# its input back, and stage 0 finishes the backward pass. Each stage records
-# when each forward (F) and backward (B) ran.
-#
-# With the batch in one piece, one stage always waits for the other: half of
-# the time is idle. Cutting the batch into `m` **micro-batches** lets stage 0
-# start the second micro-batch while stage 1 works on the first (GPipe:
-# all forwards, then all backwards). The idle fraction, the **bubble**, is
-# `(p - 1) / (m + p - 1)` for `p` stages if every step takes the same time.
+# What autograd did at the boundary, by hand. With `h` the activation that
+# crosses it, the chain rule gives the second half's gradients from the loss
+# directly, and the first half's through `h`:
+# $\partial L / \partial w_a = (\partial L / \partial h)\,(\partial h /
+# \partial w_a)$. So cut the graph at `h` (`detach`), back-propagate the
+# second half, which leaves $\partial L / \partial h$ in `h_in.grad`, and hand
+# that to the first half: `h.backward(h_in.grad)`. That is exactly what a
+# pipeline stage does with the gradient it receives from the next stage.
 
 # %%
-WIDTH, BATCH = 256, 256
+for part in (part_a, part_b):
+    part.zero_grad()
+h = part_a(x.to(dev_a))  # stage 1
+h_in = h.detach().to(dev_b).requires_grad_()  # the boundary: a new leaf
+nn.functional.mse_loss(part_b(h_in), y.to(dev_b)).backward()  # stage 2
+h.backward(h_in.grad.to(dev_a))  # the gradient crosses back by hand
+print("by hand: largest gradient difference from the whole model "
+      f"{worst_difference((part_a, part_b), whole):.1e}")
+
+# %% [markdown]
+# Seed 002 places an embedding table on the CPU (it is large, and a lookup
+# is cheap) and the rest of the model on the GPU. Written as a module whose
+# `__init__` first calls `super().__init__()` and then assigns its parts, it
+# runs (the seed's version passed the parts to `nn.Module.__init__`, which
+# raises `TypeError`):
+
+# %%
+class EmbeddingOnCpu(nn.Module):
+    def __init__(self, device, vocab=1000, width=16):
+        super().__init__()
+        self.device = device
+        self.embedding = nn.Embedding(vocab, width)  # stays on the CPU
+        self.rest = nn.Sequential(nn.Linear(width, width), nn.Tanh(),
+                                  nn.Linear(width, 4)).to(device)
+
+    def forward(self, tokens):
+        return self.rest(self.embedding(tokens).mean(1).to(self.device))
 
 
-def pipeline_rank(rank, world_size, micro_batch_counts, repeats):
-    """Stage `rank` of a GPipe pipeline; returns its spans and its gradients."""
-    torch.manual_seed(0)
-    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(8)]
-    per = len(layers) // world_size
-    stage = nn.Sequential(*[m for layer in layers[rank * per:(rank + 1) * per]
-                            for m in (layer, nn.Tanh())])
-    torch.manual_seed(1)
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    runs = {}
-    for m in micro_batch_counts:
-        best = None
-        for _ in range(repeats):
-            stage.zero_grad()
-            dist.barrier()
-            t0, spans, saved = time.perf_counter(), [], []
-            for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
-                start = time.perf_counter() - t0
-                if rank == 0:
-                    inp = xm
-                else:
-                    inp = torch.empty(xm.shape[0], WIDTH)
-                    dist.recv(inp, rank - 1)
-                    inp.requires_grad_()
-                    start = time.perf_counter() - t0  # work starts when data is here
-                out = stage(inp)
-                if rank < world_size - 1:
-                    dist.send(out.detach(), rank + 1)
-                else:
-                    out = nn.functional.mse_loss(out, ym, reduction="sum") / y.numel()
-                saved.append((inp, out))
-                spans.append((f"stage {rank}", start, time.perf_counter() - t0, f"F{i}"))
-            for i in reversed(range(m)):
-                inp, out = saved[i]
-                if rank == world_size - 1:
-                    start = time.perf_counter() - t0
-                    out.backward()
-                else:
-                    grad = torch.empty_like(out)
-                    dist.recv(grad, rank + 1)
-                    start = time.perf_counter() - t0
-                    out.backward(grad)
-                if rank > 0:
-                    dist.send(inp.grad, rank - 1)
-                spans.append((f"stage {rank}", start, time.perf_counter() - t0, f"B{i}"))
-            total = time.perf_counter() - t0
-            if best is None or total < best[0]:
-                best = (total, spans)
-        runs[m] = best
-    grads = [p.grad.clone() for p in stage.parameters()]
-    return runs, grads
+split_model = EmbeddingOnCpu(dev_b)
+logits = split_model(torch.randint(0, 1000, (8, 12)))
+logits.sum().backward()
+print(f"embedding on cpu, the rest on {dev_b}: logits {tuple(logits.shape)} on "
+      f"{logits.device}; the embedding's gradient is on "
+      f"{split_model.embedding.weight.grad.device}"
+      + ("" if gpus else " (no GPU: both on the CPU)"))
+
+# %% [markdown]
+# ## 2. The seed's micro-batch loop, in one process
+#
+# The official PyTorch tutorial the seed follows splits a ResNet-50 over two
+# GPUs and then feeds each batch as `split_size`-image pieces: while the
+# second GPU works on piece `k`, the first already computes piece `k + 1`.
+# In one process, with no threads. That works on GPUs only because a CUDA
+# launch returns at once: Python queues piece `k + 1` on GPU 0 while GPU 1
+# still runs piece `k`. On a CPU every operator returns when it is done, so
+# the same loop runs the pieces one after the other, and cutting the batch
+# gains nothing:
+
+# %%
+def seed_split_loop(first, second, batch, split_size):
+    """The tutorial's loop: piece k on `second` while piece k + 1 on `first`."""
+    pieces = iter(batch.split(split_size))
+    prev = first(next(pieces))
+    outs = []
+    for nxt in pieces:
+        outs.append(second(prev))  # asynchronous on a GPU, blocking on a CPU
+        prev = first(nxt)
+    outs.append(second(prev))
+    return torch.cat(outs)
 
 
-M_SWEEP = [1, 2, 4, 8]
-P = 2
-results = launch(pipeline_rank, P, args=(M_SWEEP, 3), timeout=120)
-runs = [r.value[0] for r in results]
-
-# the same 8 layers in one process: the gradients must agree
 torch.manual_seed(0)
-ref_layers = [nn.Linear(WIDTH, WIDTH) for _ in range(8)]
-ref = nn.Sequential(*[m for layer in ref_layers for m in (layer, nn.Tanh())])
-torch.manual_seed(1)
-xr, yr = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-nn.functional.mse_loss(ref(xr), yr).backward()
-piped = [g for r in results for g in r.value[1]]
-worst = max((a - p.grad).abs().max().item()
-            for a, p in zip(piped, ref.parameters(), strict=True))
-print(f"pipelined gradients against one process: largest difference {worst:.1e}")
+first_half = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+second_half = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+batch = torch.randn(240, 512)
+loop_times = {}
+for split_size in (240, 60, 20):
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            seed_split_loop(first_half, second_half, batch, split_size)
+        runs.append(time.perf_counter() - t0)
+    loop_times[split_size] = min(runs)
+    print(f"split_size {split_size:3d}: {loop_times[split_size] * 1e3:6.1f} ms "
+          "(fastest of 5)")
+gain = loop_times[240] / min(loop_times[60], loop_times[20])
+print("verdict: " + (f"no gain from cutting the batch in one process on a CPU "
+                     f"({gain:.2f}x)" if gain < 1.15 else
+                     f"{gain:.2f}x - here intra-op threads or caches helped the "
+                     "smaller pieces; the pieces still ran one after the other"))
+
+# %% [markdown]
+# The tutorial published its GPU results (section 4 puts them beside the CPU
+# measurement): 4.02 s for its two-GPU split fed whole batches, 2.51 s with
+# `split_size=20` and 2.43 s at its best `split_size`, 12 - and it notes the
+# trade-off: small pieces mean many tiny kernel launches, large ones long
+# idle stretches at the start and the end. On a CPU the honest analogue needs
+# two workers that really run at once: two processes, one per stage.
+#
+# ## 3. A schedule simulator
+#
+# Before measuring, a model of what to expect. Each of `p` ranks runs one
+# operation at a time: the forward (F) or the backward (B) of a micro-batch
+# on one of its stages. An operation starts when its input exists - a
+# forward needs the previous stage's forward of the same micro-batch, a
+# backward the next stage's backward - and its rank is free. Which waiting
+# operation a rank takes is the schedule:
+#
+# - **GPipe**: all forwards first, then all backwards;
+# - **1F1B**: a backward as soon as one can run, and a forward only while
+#   fewer than `p - rank` micro-batches are in flight (forwarded, not yet
+#   backwarded), which bounds the memory;
+# - **interleaved**: each rank holds `v` stages (chunks) of the model -
+#   rank 0 the 1st and the (p+1)-th, ... - each costing `1/v` of the time.
+#
+# The simulator is the loop below: thirty lines, no library.
 
 # %%
-def measured_bubble(rank_runs, m):
-    spans = [s for r in rank_runs for s in r[m][1]]
-    return images_bubble(spans, [f"stage {r}" for r in range(len(rank_runs))])
+def simulate(p, m, schedule, v=1, f=1.0, b=2.0):
+    """Spans (rank, start, end, label) of p ranks running m micro-batches.
+
+    The model has p * v stages; stage k lives on rank k % p. An op is
+    (kind, i, k): the forward "F" or backward "B" of micro-batch i on stage k.
+    Among the ops a rank may start (its inputs done, and the schedule allows
+    it), the one that can start first runs (a backward on a tie). A forward
+    costs f, a backward b, divided by v.
+    """
+    stages = p * v
+
+    def needs(op):
+        kind, i, k = op
+        if kind == "F":
+            return [("F", i, k - 1)] if k > 0 else []
+        return [("B", i, k + 1)] if k < stages - 1 else [("F", i, k)]
+
+    done, free, spans = {}, [0.0] * p, []
+    todo = {(kind, i, k) for kind in "FB" for i in range(m) for k in range(stages)}
+    while todo:
+        best = None
+        for op in todo:
+            rank = op[2] % p
+            if any(d not in done for d in needs(op)) or not schedule(op, rank, done,
+                                                                     p, m, v):
+                continue
+            start = max([free[rank]] + [done[d] for d in needs(op)])
+            key = (start, op[0] != "B", op[1], op[2])
+            best = min(best or (key, op), (key, op))
+        if best is None:
+            raise ValueError("no operation can start: this schedule deadlocks")
+        (start, *_), op = best
+        rank = op[2] % p
+        done[op] = free[rank] = start + (f if op[0] == "F" else b) / v
+        todo.remove(op)
+        spans.append((f"rank {rank}", start, done[op], f"{op[0]}{op[1]}"))
+    return spans
 
 
-def images_bubble(spans, lanes):
-    start = min(s[1] for s in spans)
-    end = max(s[2] for s in spans)
+def in_flight(rank, done, p):
+    """Forwards done on this rank's stages minus backwards done there."""
+    kinds = [kind for (kind, i, k) in done if k % p == rank]
+    return kinds.count("F") - kinds.count("B")
+
+
+def gpipe(op, rank, done, p, m, v):
+    forwards_done = sum(1 for (kind, i, k) in done if kind == "F" and k % p == rank)
+    return op[0] == "F" or forwards_done == m * v
+
+
+def one_f_one_b(op, rank, done, p, m, v):
+    return op[0] == "B" or in_flight(rank, done, p) < p - rank
+
+
+def bubble(spans):
+    lanes = {s[0] for s in spans}
+    start, end = min(s[1] for s in spans), max(s[2] for s in spans)
     return 1 - sum(s[2] - s[1] for s in spans) / (len(lanes) * (end - start))
 
 
-bubbles = {m: measured_bubble(runs, m) for m in M_SWEEP}
-predicted = reference.predicted(
-    {"x": M_SWEEP, "y": [(P - 1) / (m + P - 1) for m in M_SWEEP]}, "fraction idle",
-    f"{P} stages", "GPipe bubble (p - 1) / (m + p - 1): equal, fixed-cost steps, "
-    "free communication")
+print(" p   m   GPipe   1F1B  interleaved v=2   formula (p-1)/(m+p-1)")
+for p, m in ((2, 1), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)):
+    print(f"{p:2d} {m:3d}  {bubble(simulate(p, m, gpipe)):6.3f} "
+          f"{bubble(simulate(p, m, one_f_one_b)):6.3f}  "
+          f"{bubble(simulate(p, m, gpipe, v=2)):6.3f} (p-1)/(vm+p-1) = "
+          f"{(p - 1) / (2 * m + p - 1):.3f}    {(p - 1) / (m + p - 1):.3f}")
+
+# %% [markdown]
+# GPipe and 1F1B land exactly on the formula, with backward twice as long as
+# forward: the bubble does not depend on the costs, only on `p` and `m`.
+# Interleaving `v` chunks per rank divides it by about `v` once there are at
+# least `p` micro-batches (each operation is shorter, so the ramp-up and
+# ramp-down are), at the price of `v` times more
+# sends and receives. (PyTorch's `ScheduleInterleaved1F1B` combines
+# interleaving with 1F1B's memory bound; its order is harder to write down,
+# which is why libraries generate it.) Drag the sliders to draw the three
+# schedules:
+
+# %%
+def draw_schedules(p=4, m=8, v=2):
+    fig, axes = plt.subplots(3, 1, figsize=(9, 1.0 * p * 3 + 1.5), sharex=True)
+    lanes = [f"rank {r}" for r in range(p)]
+    for ax, (name, spans) in zip(axes, (
+            ("GPipe", simulate(p, m, gpipe)), ("1F1B", simulate(p, m, one_f_one_b)),
+            (f"interleaved GPipe, v={v}", simulate(p, m, gpipe, v=v))), strict=True):
+        plot_timeline(spans, ax=ax, unit="s", lanes=lanes,
+                      title=f"{name}: bubble {bubble(spans):.0%}")
+        ax.set_xlabel("time (forward = 1 unit, backward = 2)")
+    plt.tight_layout()
+    plt.show()
+    print(f"(p - 1) / (m + p - 1) = {(p - 1) / (m + p - 1):.0%}; with {v} chunks: "
+          f"{(p - 1) / (v * m + p - 1):.0%}")
+
+
+widgets.interact(draw_schedules,
+                 p=widgets.IntSlider(min=2, max=6, value=4, description="ranks p",
+                                     continuous_update=False),
+                 m=widgets.IntSlider(min=1, max=16, value=8, description="micro m",
+                                     continuous_update=False),
+                 v=widgets.IntSlider(min=1, max=3, value=2, description="chunks v",
+                                     continuous_update=False));
+
+# %% [markdown]
+# What the bubble costs on real hardware, predicted: a model split into 8
+# stages over 8 GPUs of a node, trained with 32 micro-batches per step, leaves
+# `7 / 39` of every GPU-second idle - on average about 1.4 of the 8 GPUs do
+# nothing. The figure depends only on `p` and `m`; its price is that of the
+# GPUs.
+
+# %%
+for p, m in ((8, 8), (8, 32), (8, 128)):
+    f = reference.predicted((p - 1) / (m + p - 1), "fraction idle",
+                            f"{p} x NVIDIA H100 SXM5 80GB, one stage each",
+                            f"GPipe/1F1B bubble (p - 1) / (m + p - 1), p = {p}, "
+                            f"m = {m}, equal stages, communication hidden")
+    print(f"m = {m:3d}: {f.value:.1%} idle, {f.value * p:.1f} of {p} GPUs on average "
+          f"[{f.label.split(' (')[0]}]")
+
+# %% [markdown]
+# ## 4. Stages as processes
+#
+# Now for real: each stage is a process with one thread; stage 0 runs its
+# layers and **sends** the activation to stage 1, which finishes the forward
+# pass and the loss; then stage 1 sends the gradient of its input back, and
+# stage 0 finishes the backward pass, with `h.backward(grad)` as in section
+# 1. Each rank runs its list of operations in the order the simulator
+# produced for a schedule, and records when each ran, how many micro-batches
+# it held, and how many bytes of activations autograd kept for them (counted
+# with a saved-tensors hook, parameters left out).
+
+# %%
+WIDTH, BATCH, LAYERS = 256, 256, 8
+
+
+def orders(spans, p):
+    """Each rank's operations, in the order the simulator ran them."""
+    per_rank = [[] for _ in range(p)]
+    for lane, _start, _end, label in sorted(spans, key=lambda s: s[1]):
+        per_rank[int(lane.split()[1])].append((label[0], int(label[1:])))
+    return per_rank
+
+
+def make_stage(rank, world_size):
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+    per = LAYERS // world_size
+    return nn.Sequential(*[mod for layer in layers[rank * per:(rank + 1) * per]
+                           for mod in (layer, nn.Tanh())])
+
+
+def run_pipeline(rank, world_size, plans, repeats):
+    """Run each plan (name -> (m, per-rank orders)); spans, memory, gradients."""
+    stage = make_stage(rank, world_size)
+    own = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    torch.manual_seed(1)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    last = rank == world_size - 1
+    results = {}
+    for name, (m, plan) in plans.items():
+        best = None
+        for _ in range(repeats):
+            stage.zero_grad()
+            xs, ys = x.chunk(m), y.chunk(m)
+            saved, held, peak, most, sends, spans = {}, 0, 0, 0, [], []
+            dist.barrier()
+            t0 = time.perf_counter()
+            for kind, i in plan[rank]:
+                if kind == "F":
+                    if rank == 0:
+                        inp = xs[i]
+                    else:
+                        inp = torch.empty(xs[i].shape[0], WIDTH)
+                        dist.recv(inp, rank - 1)
+                        inp.requires_grad_()
+                    start, kept = time.perf_counter() - t0, []
+
+                    def pack(t, kept=kept):
+                        if t.untyped_storage().data_ptr() not in own:
+                            kept.append(t.untyped_storage().nbytes())
+                        return t
+
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        out = stage(inp)
+                        if last:  # each piece's share of the whole batch's mean loss
+                            out = nn.functional.mse_loss(out, ys[i],
+                                                         reduction="sum") / y.numel()
+                    if not last:
+                        act = out.detach()
+                        sends.append((dist.isend(act, rank + 1), act))
+                    saved[i] = (inp, out, sum(kept))
+                    held += sum(kept)
+                    peak, most = max(peak, held), max(most, len(saved))
+                else:
+                    inp, out, nbytes = saved.pop(i)
+                    if last:
+                        start = time.perf_counter() - t0
+                        out.backward()
+                    else:
+                        grad = torch.empty_like(out)
+                        dist.recv(grad, rank + 1)
+                        start = time.perf_counter() - t0
+                        out.backward(grad)
+                    if rank > 0:
+                        sends.append((dist.isend(inp.grad, rank - 1), inp.grad))
+                    held -= nbytes
+                spans.append((f"stage {rank}", start, time.perf_counter() - t0,
+                              f"{kind}{i}"))
+            for request, _ in sends:
+                request.wait()
+            total = time.perf_counter() - t0
+            if best is None or total < best[0]:
+                best = (total, spans, most, peak)
+        results[name] = best
+    return results, [p.grad.clone() for p in stage.parameters()]
+
+
+def reference_gradients():
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+    model = nn.Sequential(*[mod for layer in layers for mod in (layer, nn.Tanh())])
+    torch.manual_seed(1)
+    xr, yr = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    nn.functional.mse_loss(model(xr), yr).backward()
+    return [p.grad for p in model.parameters()]
+
+
+M_SWEEP, P = [1, 2, 4, 8], 2
+plans = {f"GPipe m={m}": (m, orders(simulate(P, m, gpipe), P)) for m in M_SWEEP}
+plans["1F1B m=8"] = (8, orders(simulate(P, 8, one_f_one_b), P))
+ranks = launch(run_pipeline, P, args=(plans, 3), timeout=120)
+runs = [r.value[0] for r in ranks]
+ref_grads = reference_gradients()
+piped = [g for r in ranks for g in r.value[1]]
+print("pipelined gradients against one process: largest difference "
+      f"{max((a - b).abs().max().item() for a, b in zip(piped, ref_grads, strict=True)):.1e}")
+
+
+def measured(name):
+    """(total seconds, bubble) of a plan, from every rank's spans."""
+    spans = [s for r in runs for s in r[name][1]]
+    return max(r[name][0] for r in runs), bubble(spans)
+
+
 for m in M_SWEEP:
-    print(f"m = {m}: measured bubble {bubbles[m]:.2f}, predicted "
-          f"{(P - 1) / (m + P - 1):.2f}")
-fig, ax = plt.subplots(figsize=(6.0, 3.4))
-ax.plot(M_SWEEP, [bubbles[m] for m in M_SWEEP], marker="o", label="measured here")
-ax.plot(M_SWEEP, predicted.value["y"], linestyle="--", label=predicted.legend)
-ax.set_xscale("log", base=2)
-ax.set_xlabel("micro-batches m")
-ax.set_ylabel("idle fraction (bubble)")
-ax.set_title(f"GPipe with {P} stage processes")
-ax.legend()
+    total, idle = measured(f"GPipe m={m}")
+    print(f"GPipe m = {m}: {total * 1e3:6.1f} ms, measured bubble {idle:.2f}, "
+          f"simulated {bubble(simulate(P, m, gpipe)):.2f}")
+
+# %% [markdown]
+# The measured bubble and the step time against `m`, beside the prediction,
+# and beside the tutorial's published GPU times (each relative to the same
+# split fed whole batches: the tutorial's 120-image batches as 6 pieces of 20
+# and 10 pieces of 12). With two equal stages, the formula predicts a step
+# time of `(m + 1) / (2m)` of the unpipelined one.
+
+# %%
+base = measured("GPipe m=1")[0]
+mp = reference.published("pt_mp_tutorial.resnet50_two_gpus_no_pipeline_seconds")
+tutorial = [reference.published(f"pt_mp_tutorial.resnet50_pipelined_{k}_seconds")
+            for k in ("split20", "split12")]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+ax1.plot(M_SWEEP, [measured(f"GPipe m={m}")[1] for m in M_SWEEP],
+         label="measured here, 2 CPU processes", **plots.figure_style("measured"))
+ax1.plot(M_SWEEP, [(P - 1) / (m + P - 1) for m in M_SWEEP],
+         label="predicted: (p - 1) / (m + p - 1)", **plots.figure_style("predicted"))
+ax1.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction (bubble)",
+        title="The bubble")
+ax1.set_xticks(M_SWEEP, labels=[str(m) for m in M_SWEEP])
+ax1.legend(fontsize=7)
+ax2.plot(M_SWEEP, [measured(f"GPipe m={m}")[0] / base for m in M_SWEEP],
+         label="measured here, 2 CPU processes", **plots.figure_style("measured"))
+ax2.plot(M_SWEEP, [(m + 1) / (2 * m) for m in M_SWEEP],
+         label="predicted: (m + 1) / (2m)", **plots.figure_style("predicted"))
+ax2.plot([1, 6, 10], [1.0] + [f.value / mp.value for f in tutorial],
+         label="published: PyTorch tutorial, ResNet-50 on 2 GPUs",
+         **plots.figure_style("published"))
+ax2.set_xscale("log")
+ax2.set_xticks([1, 2, 4, 6, 8, 10], labels=["1", "2", "4", "6", "8", "10"])
+ax2.set(xlabel="micro-batches m", ylabel="step time / unpipelined",
+        title="Step time against micro-batches")
+ax2.legend(fontsize=7)
+plt.tight_layout()
 plt.show()
-gap = bubbles[M_SWEEP[-1]] - predicted.value["y"][-1]
-print("verdict: " + ("the bubble shrinks with m, as predicted" if
-      bubbles[M_SWEEP[-1]] < bubbles[1] else "the bubble did not shrink here: the "
-      "machine was busy (run it again)")
-      + f"; at m = {M_SWEEP[-1]} it is {gap:+.2f} from the formula, which ignores the "
-      "cost of each send and receive and of smaller matmuls")
+print(f"[{mp.label}]")
+best_m = min(M_SWEEP, key=lambda m: measured(f"GPipe m={m}")[0])
+gap = measured(f"GPipe m={M_SWEEP[-1]}")[1] - (P - 1) / (M_SWEEP[-1] + P - 1)
+print(f"verdict: fastest here at m = {best_m}; at m = {M_SWEEP[-1]} the bubble is "
+      f"{gap:+.2f} from the formula, which leaves out each micro-batch's fixed "
+      "costs (a send, a receive, Python, smaller and less efficient matmuls)")
 
 # %%
 for m in (1, 4):
-    spans = [s for r in runs for s in r[m][1]]
+    spans = [s for r in runs for s in r[f"GPipe m={m}"][1]]
     plot_timeline(spans, title=f"GPipe, {P} stage processes, m = {m} "
-                  f"(measured, bubble {bubbles[m]:.0%})")
+                  f"(measured, bubble {bubble(spans):.0%})")
     plt.show()
 
 # %% [markdown]
 # Read the two timelines: with `m = 1` the stages take turns; with `m = 4`
 # stage 1 starts its first forward while stage 0 computes the second, and the
 # idle triangles at the start and the end are the bubble. More micro-batches
-# shrink it, until each one is so small that the fixed costs (a send, a
-# receive, a kernel launch on a GPU) dominate - the measured curve flattens
-# above the formula. The seed's `split_size` experiment (the official PyTorch
-# model-parallel tutorial) shows the same trade-off as a curve with a best
-# split size.
+# shrink it, until each one is so small that its fixed costs dominate, which
+# is the tutorial's best `split_size` on GPUs and the flattening here.
 #
-# ## 3. 1F1B: the same bubble, less memory
+# ### 1F1B: the same bubble, less memory
 #
 # GPipe keeps every micro-batch's activations until its backward: `m` of them
-# on each stage. **1F1B** (one forward, one backward) starts the backward of a
-# micro-batch as soon as it can and alternates: after a short warm-up, stage
-# `s` holds at most `p - s` micro-batches. The time is the same; the memory is
-# bounded by the number of stages instead of micro-batches:
+# on stage 0. 1F1B starts backwards as early as it can, so stage `s` never
+# holds more than `p - s`. Measured on the same run, with 8 micro-batches:
 
 # %%
-display(Image(filename=str(ROOT / "images" / "pipeline_schedules.png")))
+for name in ("GPipe m=8", "1F1B m=8"):
+    total, idle = measured(name)
+    held = [r[name][2] for r in runs]
+    peak_bytes = [r[name][3] for r in runs]
+    print(f"{name}: {total * 1e3:6.1f} ms, bubble {idle:.2f}; micro-batches held at "
+          f"most {held} and activations kept at most "
+          f"{[f'{b / 2**20:.1f} MiB' for b in peak_bytes]} (stage 0, stage 1)")
+ratio = measured("1F1B m=8")[0] / measured("GPipe m=8")[0]
+print(f"1F1B took {ratio:.2f}x GPipe's time" + (" - about the same" if 0.8 < ratio < 1.25
+      else " - a busy machine disturbed one of the runs (run the cell again)"))
 
 # %% [markdown]
-# Drag the sliders to draw both schedules for other `p` and `m` (the model:
-# every forward and backward takes one time unit, communication is free):
-
-# %%
-def draw_schedules(p=4, m=8):
-    fig, axes = plt.subplots(2, 1, figsize=(9, 1.1 * p + 1.6), sharex=True)
-    for ax, (name, sched) in zip(axes, (("GPipe", images.gpipe_schedule(p, m)),
-                                         ("1F1B", images.one_f_one_b_schedule(p, m))),
-                                 strict=True):
-        spans = [(f"stage {s}", t, t + 1, f"{k}{i}") for s, ops in enumerate(sched)
-                 for t, k, i in ops]
-        plot_timeline(spans, ax=ax, unit="s", lanes=[f"stage {s}" for s in range(p)],
-                      title=f"{name}: at most {max(images.in_flight(o) for o in sched)}"
-                            " micro-batches held")
-    plt.tight_layout()
-    plt.show()
-    print(f"bubble (p - 1) / (m + p - 1) = {(p - 1) / (m + p - 1):.0%} for both")
-
-
-widgets.interact(draw_schedules,
-                 p=widgets.IntSlider(min=2, max=6, value=4, description="stages p",
-                                     continuous_update=False),
-                 m=widgets.IntSlider(min=1, max=16, value=8, description="micro m",
-                                     continuous_update=False));
-
-# %% [markdown]
-# ## 4. `torch.distributed.pipelining`
+# Same work, about the same time (the line above says how close), and stage
+# 0 holds 2 micro-batches' worth of activations instead of 8. At scale that is the difference between fitting
+# and not: the activations of a large model's micro-batch are gigabytes.
 #
-# PyTorch's pipeline library splits a model into stages, runs them in
-# processes, and provides the schedules (`ScheduleGPipe`, `Schedule1F1B`,
-# interleaved and zero-bubble variants). It replaced the old
-# `torch.distributed.pipeline.sync.Pipe`, which no longer exists:
+# With four stages, two per core on this machine, the ranks also wait for a
+# core, so the measured bubble mixes both kinds of waiting (on four GPUs it
+# would not):
+
+# %%
+P4, M4 = 4, 8
+plans4 = {"GPipe": (M4, orders(simulate(P4, M4, gpipe), P4)),
+          "1F1B": (M4, orders(simulate(P4, M4, one_f_one_b), P4))}
+runs4 = [r.value[0] for r in launch(run_pipeline, P4, args=(plans4, 2), timeout=120)]
+for name in plans4:
+    spans = [s for r in runs4 for s in r[name][1]]
+    print(f"{name}, 4 stages, m = {M4}: measured bubble {bubble(spans):.2f} "
+          f"(formula {(P4 - 1) / (M4 + P4 - 1):.2f}); micro-batches held "
+          f"{[r[name][2] for r in runs4]}")
+
+# %% [markdown]
+# ## 5. `torch.distributed.pipelining`
+#
+# PyTorch's pipeline library does all of the above: it splits a model into
+# stages, runs them in processes, and provides the schedules. It replaced the
+# old `torch.distributed.pipeline.sync.Pipe` (and its RPC-based multi-machine
+# variant) that seed 002 shows, which no longer exist:
 
 # %%
 print("torch.distributed.pipeline (the old Pipe):",
@@ -271,57 +562,186 @@ print("torch.distributed.pipeline (the old Pipe):",
 
 
 def library_rank(rank, world_size, m):
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    torch.manual_seed(0)
-    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(8)]
-    per = len(layers) // world_size
-    stage_mod = nn.Sequential(*[mod for layer in layers[rank * per:(rank + 1) * per]
-                                for mod in (layer, nn.Tanh())])
+    stage_mod = make_stage(rank, world_size)  # a manual split: our own stage
     stage = PipelineStage(stage_mod, rank, world_size, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, n_microbatches=m,
-                             loss_fn=lambda out, tgt: nn.functional.mse_loss(out, tgt))
     torch.manual_seed(1)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    grads = {}
+    for schedule_class in (ScheduleGPipe, Schedule1F1B):
+        stage_mod.zero_grad()
+        schedule = schedule_class(stage, n_microbatches=m,
+                                  loss_fn=lambda out, tgt: nn.functional.mse_loss(out,
+                                                                                  tgt))
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        grads[schedule_class.__name__] = [p.grad.clone() for p in stage_mod.parameters()]
+    return grads
+
+
+lib = [r.value for r in launch(library_rank, P, args=(4,), timeout=120)]
+for name in ("ScheduleGPipe", "Schedule1F1B"):
+    got = [g for r in lib for g in r[name]]
+    worst = max((a - b).abs().max().item() for a, b in zip(got, ref_grads, strict=True))
+    print(f"{name}, {P} processes, 4 micro-batches: largest gradient difference from "
+          f"one process {worst:.1e}")
+
+# %% [markdown]
+# (The library averages over micro-batches by default, so the gradients equal
+# the whole batch's when the micro-batches are equal. On GPUs each stage is
+# given its GPU as `device`.)
+#
+# The library can also split a model itself: `pipeline()` traces the model
+# once with an example micro-batch and cuts it where `split_spec` says.
+
+# %%
+def traced_rank(rank, world_size):
+    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+
+    warnings.simplefilter("ignore", FutureWarning)  # the tracer's own deprecations
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+
+        def forward(self, x):
+            return self.layers(x)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 64), torch.randn(16, 64)
+    pipe = pipeline(Net(), mb_args=(x.chunk(4)[0],),
+                    split_spec={"layers.2": SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=4,
+                             loss_fn=lambda out, tgt: nn.functional.mse_loss(out, tgt))
     if rank == 0:
         schedule.step(x)
     else:
         schedule.step(target=y)
-    return [p.grad.clone() for p in stage_mod.parameters()]
+    return pipe.num_stages, [n for n, _ in stage.submod.named_parameters()]
 
 
-lib = launch(library_rank, P, args=(4,), timeout=120)
-lib_grads = [g for r in lib for g in r.value]
-worst = max((a - p.grad).abs().max().item()
-            for a, p in zip(lib_grads, ref.parameters(), strict=True))
-print(f"ScheduleGPipe, {P} processes, 4 micro-batches: largest gradient difference "
-      f"from one process {worst:.1e}")
+for r in launch(traced_rank, P, timeout=120):
+    stages, names = r.value
+    print(f"rank {r.rank}: stage {r.rank} of {stages}, parameters {names}")
 
 # %% [markdown]
-# (By default the library averages over micro-batches, so the loss of each
-# micro-batch is its mean and the gradients equal the whole batch's when the
-# micro-batches are equal. On GPUs each stage is given its GPU as `device`.)
+# Newer schedules go further than 1F1B. **Zero-bubble** schedules split each
+# backward in two: `I`, the gradient with respect to the stage's input, which
+# the previous stage is waiting for, and `W`, the gradient of the weights,
+# which nobody waits for and so can fill the bubble. **DualPipeV** (from
+# DeepSeek-V3's training) puts two stages on each rank in a V shape (rank 0
+# holds the first and the last) and overlaps a forward of one micro-batch with
+# a backward of another. Each schedule exposes the order it runs; here, rank
+# 0's, with 2 ranks and 4 micro-batches (`0F1` is stage 0's forward of
+# micro-batch 1):
+
+# %%
+def zero_bubble_rank(rank, world_size):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        ScheduleDualPipeV,
+        ScheduleZBVZeroBubble,
+    )
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(2 * world_size)]
+    ids = [rank, 2 * world_size - 1 - rank]  # the V: rank 0 holds stages 0 and 3
+    x, y = torch.randn(16, 64), torch.randn(16, 64)
+    shown = {}
+    for cls in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
+        stages = [PipelineStage(nn.Sequential(layers[k]), k, 2 * world_size,
+                                torch.device("cpu")) for k in ids]
+        schedule = cls(stages, n_microbatches=4,
+                       loss_fn=lambda out, tgt: nn.functional.mse_loss(out, tgt))
+        # rank 0 holds the first stage (the input) and the last (the target)
+        if rank == 0:
+            schedule.step(x, target=y)
+        else:
+            schedule.step()
+        shown[cls.__name__] = [str(a) for a in schedule.pipeline_order[rank] if a]
+    return shown
+
+
+for name, order in launch(zero_bubble_rank, P, timeout=120)[0].value.items():
+    print(f"{name}, rank 0: {' '.join(order)}")
+
+# %% [markdown]
+# In the zero-bubble order, `I` and `W` appear separately, and the `W`s
+# gather at the end, where GPipe and 1F1B would idle. DualPipeV's
+# `OVERLAP_F_B` entries run a forward and a backward of different
+# micro-batches together, so one's communication hides behind the other's
+# computation.
 #
-# ## 5. Pipeline and data parallelism together
+# ## 6. Pipeline and data parallelism together
 #
-# Large language models combine both: the layers are split into `p` pipeline
-# stages, and the whole pipeline is replicated `d` times for data parallelism
-# (and, inside each stage, tensors are split across GPUs: tensor parallelism,
-# a later chapter). A device mesh of `d x p` GPUs names the groups: the
-# all-reduce of data parallelism runs among the `d` copies of each stage, the
-# sends and receives of the pipeline along each copy. The pipeline's bubble
-# shrinks with more micro-batches per replica, which is why such training
-# runs use large global batches.
+# Large models combine both: the layers are split into `p` pipeline stages,
+# and the whole pipeline is replicated `d` times for data parallelism - the
+# seeds' "model parallelism inside a node, data parallelism across nodes", as
+# GPT-3-sized models are trained (and, inside each stage, tensor parallelism,
+# a later chapter). A **device mesh** names the groups: with 4 ranks as a
+# 2 x 2 mesh, the `pp` dimension pairs the two stages of each replica, the
+# `dp` dimension pairs the two replicas of each stage. Each replica pipelines
+# its half of the batch; then each stage all-reduces its gradients with its
+# twin in the other replica, and the result must equal one process on the
+# whole batch:
+
+# %%
+def dp_pp_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"], mesh["pp"]
+    stage_index, replica = pp.get_local_rank(), dp.get_local_rank()
+    stage_mod = make_stage(stage_index, 2)
+    stage = PipelineStage(stage_mod, stage_index, 2, torch.device("cpu"),
+                          group=pp.get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=4,
+                             loss_fn=lambda out, tgt: nn.functional.mse_loss(out, tgt))
+    torch.manual_seed(1)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    half = slice(replica * BATCH // 2, (replica + 1) * BATCH // 2)
+    if stage_index == 0:
+        schedule.step(x[half])
+    else:
+        schedule.step(target=y[half])
+    for p in stage_mod.parameters():  # data parallelism across the replicas
+        dist.all_reduce(p.grad, group=dp.get_group())
+        p.grad /= dp.size()
+    return stage_index, replica, [p.grad.clone() for p in stage_mod.parameters()]
+
+
+mesh_ranks = [r.value for r in launch(dp_pp_rank, 4, timeout=120)]
+for stage_index, replica, grads in mesh_ranks:
+    want = ref_grads[:len(grads)] if stage_index == 0 else ref_grads[len(grads):]
+    worst = max((a - b).abs().max().item() for a, b in zip(grads, want, strict=True))
+    print(f"stage {stage_index} of replica {replica}: largest gradient difference "
+          f"from one process {worst:.1e}")
+
+# %% [markdown]
+# Every rank holds the gradient one process computes on the whole batch. The
+# pipeline's bubble shrinks with more micro-batches per replica, which is one
+# reason such training runs use large global batches.
 #
 # ## Summary
 #
 # - A model split over devices computes the same gradients: `.to()` is
-#   differentiable.
-# - Stages that hand work to each other are idle unless the batch is cut into
-#   micro-batches; GPipe's bubble is `(p - 1) / (m + p - 1)`, and per-message
-#   costs keep the measured one above it.
-# - 1F1B has the same bubble and holds at most `p - s` micro-batches on stage
-#   `s`; `torch.distributed.pipelining` provides these schedules.
+#   differentiable, and the chain rule can cross the split by hand
+#   (`h.backward(h_in.grad)`), as pipeline stages do.
+# - In one process, micro-batches overlap only on GPUs (asynchronous
+#   launches); stages in separate processes overlap anywhere.
+# - GPipe's bubble is `(p - 1) / (m + p - 1)`; per-micro-batch costs keep the
+#   measured one above it and give the best micro-batch size. 1F1B has the
+#   same bubble and holds at most `p - s` micro-batches on stage `s`;
+#   interleaving divides the bubble by the chunks per rank; zero-bubble
+#   schedules fill it with weight gradients.
+# - `torch.distributed.pipelining` provides stages (by hand or traced) and
+#   the schedules; a device mesh combines pipeline and data parallelism.
 
 # %% [markdown]
 # ## Exercises
@@ -373,24 +793,39 @@ def one_f_one_b(p, m):
 check_one_f_one_b(one_f_one_b)
 
 # %% [markdown]
-# ### Exercise 7.3: the measured bubble
+# ### Exercise 7.3: balance the stages
 #
-# Write `idle_fraction(spans, lanes)`: the idle fraction of a timeline, from
-# spans `(lane, start, end)` or `(lane, start, end, label)` and the list of
-# all lanes (a lane may have no span): one minus the busy time over the
-# lanes' time from the first start to the last end.
+# Every micro-batch passes through every stage, so the slowest stage sets
+# the pace of the whole pipeline. Write `split_stages(costs, p)`: given the
+# cost of each layer (`costs[i]` for layer `i`, in order) and a number of
+# stages `p`, return `p` stages - each a list of consecutive layer indices,
+# none empty, together every layer in order - whose slowest stage (largest
+# sum of costs) is as cheap as any split can make it.
 
 # %% tags=["exercise"] exercise="7.3"
-def idle_fraction(spans, lanes):
+def split_stages(costs, p):
     ### BEGIN SOLUTION
-    start = min(s[1] for s in spans)
-    end = max(s[2] for s in spans)
-    return 1 - sum(s[2] - s[1] for s in spans) / (len(lanes) * (end - start))
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[(k, j)]: (slowest stage, last cut) splitting layers 0..j-1 in k stages
+    best = {(0, 0): (0.0, 0)}
+    for k in range(1, p + 1):
+        for j in range(k, n - (p - k) + 1):
+            best[(k, j)] = min((max(best[(k - 1, i)][0], prefix[j] - prefix[i]), i)
+                               for i in range(k - 1, j) if (k - 1, i) in best)
+    stages, j = [], n
+    for k in range(p, 0, -1):
+        i = best[(k, j)][1]
+        stages.append(list(range(i, j)))
+        j = i
+    return stages[::-1]
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="7.3"
-check_idle_fraction(idle_fraction)
+check_split_stages(split_stages)
 
 # %% [markdown]
 # ## Glossary
@@ -405,3 +840,6 @@ check_idle_fraction(idle_fraction)
 # | one forward one backward (1F1B) | 一前一后调度 |
 # | activation | 激活值 |
 # | device mesh | 设备网格 |
+# | interleaved schedule | 交错调度 |
+# | zero-bubble schedule | 零气泡调度 |
+# | stage balancing | 阶段负载均衡 |

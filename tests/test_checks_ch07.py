@@ -193,72 +193,135 @@ def test_wrong_one_f_one_b_fail():
 
 # ---------------------------------------------------------------- 7.3
 
-
-def idle_ref(spans, lanes):
-    start, end = min(s[1] for s in spans), max(s[2] for s in spans)
-    return 1 - sum(s[2] - s[1] for s in spans) / (len(lanes) * (end - start))
+def placeholder(*args):
+    raise NotImplementedError("Exercise 7.3")
 
 
-def idle_per_lane(spans, lanes):
-    start, end = min(s[1] for s in spans), max(s[2] for s in spans)
-    idle = 0.0
-    for lane in lanes:
-        idle += (end - start) - sum(s[2] - s[1] for s in spans if s[0] == lane)
-    return idle / (len(lanes) * (end - start))
+def split_dp(costs, p):  # dynamic programming over the last cut
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = {(0, 0): (0.0, None)}
+    for k in range(1, p + 1):
+        for j in range(k, n + 1):
+            best[(k, j)] = min((max(best[(k - 1, i)][0], prefix[j] - prefix[i]), i)
+                               for i in range(k - 1, j) if (k - 1, i) in best)
+    cuts, j = [], n
+    for k in range(p, 0, -1):
+        i = best[(k, j)][1]
+        cuts.append(list(range(i, j)))
+        j = i
+    return cuts[::-1]
 
 
-def idle_unpacked(spans, lanes):
-    starts = [s for _, s, *_ in spans]
-    ends = [e for _, _, e, *_ in spans]
-    busy = sum(e - s for s, e in zip(starts, ends, strict=True))
-    return 1.0 - busy / ((max(ends) - min(starts)) * len(lanes))
+def split_binary_search(costs, p):  # least feasible slowest stage, then cut greedily
+    def stages_needed(limit):
+        count, run = 1, 0.0
+        for c in costs:
+            if run + c > limit:
+                count, run = count + 1, 0.0
+            run += c
+        return count
+
+    lo = max(costs)
+    candidates = sorted({sum(costs[i:j]) for i in range(len(costs))
+                         for j in range(i + 1, len(costs) + 1)})
+    limit = next(c for c in candidates if c >= lo and stages_needed(c) <= p)
+    stages, run, left = [[]], 0.0, p - 1
+    for i, c in enumerate(costs):
+        # cut when the limit forces it, or when the layers left only just fill
+        # the stages left
+        if stages[-1] and (run + c > limit or len(costs) - i == left):
+            stages.append([])
+            run, left = 0.0, left - 1
+        stages[-1].append(i)
+        run += c
+    return stages
 
 
-def idle_sorted(spans, lanes):
-    ordered = sorted(spans, key=lambda s: s[1])
-    total = (max(s[2] for s in ordered) - ordered[0][1]) * len(lanes)
-    return (total - sum(s[2] - s[1] for s in ordered)) / total
+def split_brute_force(costs, p):  # every choice of p - 1 cuts
+    import itertools
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        edges = [0, *cuts, n]
+        slowest = max(sum(costs[a:b]) for a, b in zip(edges, edges[1:], strict=False))
+        if best is None or slowest < best[0]:
+            best = (slowest, edges)
+    edges = best[1]
+    return [range(a, b) for a, b in zip(edges, edges[1:], strict=False)]
 
 
-@pytest.mark.parametrize("fn", [idle_ref, idle_per_lane, idle_unpacked, idle_sorted])
-def test_right_idle_fractions_pass(fn):
-    ch07.check_idle_fraction(fn)
+class StageSplitter:  # a class, returning tuples
+    def __call__(self, costs, p):
+        return tuple(tuple(stage) for stage in split_dp(costs, p))
 
 
-def test_wrong_idle_fractions_fail():
-    def from_zero(spans, lanes):
-        end = max(s[2] for s in spans)
-        return 1 - sum(s[2] - s[1] for s in spans) / (len(lanes) * end)
+@pytest.mark.parametrize("fn", [split_dp, split_binary_search, split_brute_force,
+                                StageSplitter()])
+def test_right_splits_pass(fn):
+    ch07.check_split_stages(fn)
 
-    def lanes_from_spans(spans, lanes):
-        return idle_ref(spans, sorted({s[0] for s in spans}))
 
-    def busy_fraction(spans, lanes):
-        return 1 - idle_ref(spans, lanes)
+def test_wrong_splits_fail():
+    def equal_layers(costs, p):  # as many layers per stage, whatever they cost
+        n = len(costs)
+        return [list(range(k * n // p, (k + 1) * n // p)) for k in range(p)]
 
-    def first_and_last_span(spans, lanes):
-        start, end = spans[0][1], spans[-1][2]
-        return 1 - sum(s[2] - s[1] for s in spans) / (len(lanes) * (end - start))
+    def greedy_average(costs, p):  # cut once a stage reaches the average
+        target, stages, run = sum(costs) / p, [[]], 0.0
+        for i, c in enumerate(costs):
+            if run >= target and len(stages) < p:
+                stages.append([])
+                run = 0.0
+            stages[-1].append(i)
+            run += c
+        return stages
 
-    def two_lanes(spans, lanes):
-        return idle_ref(spans, ["a", "b"])
+    def by_cost_round_robin(costs, p):  # balanced sums, but not contiguous
+        order = sorted(range(len(costs)), key=lambda i: -costs[i])
+        stages = [[] for _ in range(p)]
+        for k, i in enumerate(order):
+            stages[k % p].append(i)
+        return [sorted(s) for s in stages]
 
-    def formula(spans, lanes):
-        p = len(lanes)
-        return (p - 1) / (len(spans) / p + p - 1)
+    def cut_points(costs, p):  # the cuts, not the stages
+        return [split[0] for split in split_dp(costs, p)[1:]]
 
-    def percent(spans, lanes):
-        return 100 * idle_ref(spans, lanes)
+    def one_stage_too_few(costs, p):
+        return split_dp(costs, p - 1) if p > 1 else split_dp(costs, p)
 
-    def label_as_end(spans, lanes):
-        return idle_ref([(s[0], s[1], s[-1] if isinstance(s[-1], float) else s[2])
-                         for s in spans[:-1]], lanes)
+    def empty_stage(costs, p):
+        return [*split_dp(costs, p - 1), []]
 
-    fails(ch07.check_idle_fraction, from_zero, "Exercise 7.3")
-    fails(ch07.check_idle_fraction, lanes_from_spans, "every lane")
-    fails(ch07.check_idle_fraction, busy_fraction, "Exercise 7.3")
-    fails(ch07.check_idle_fraction, first_and_last_span, "Exercise 7.3")
-    fails(ch07.check_idle_fraction, two_lanes, "Exercise 7.3")
-    fails(ch07.check_idle_fraction, formula, "Exercise 7.3")
-    fails(ch07.check_idle_fraction, percent, "Exercise 7.3")
-    fails(ch07.check_idle_fraction, label_as_end, "Exercise 7.3")
+    def last_layer_dropped(costs, p):
+        stages = split_dp(costs, p)
+        stages[-1] = stages[-1][:-1] or stages[-1]
+        return stages if len(stages[-1]) < len(split_dp(costs, p)[-1]) else [
+            *stages[:-1], stages[-1]]
+
+    def two_stages_always(costs, p):
+        return split_dp(costs, 2)
+
+    def balances_the_fastest(costs, p):  # maximises the cheapest stage instead
+        import itertools
+        n, best = len(costs), None
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            edges = [0, *cuts, n]
+            pairs = zip(edges, edges[1:], strict=False)
+            cheapest = min(sum(costs[a:b]) for a, b in pairs)
+            if best is None or cheapest > best[0]:
+                best = (cheapest, edges)
+        return [list(range(a, b)) for a, b in zip(best[1], best[1][1:], strict=False)]
+
+    fails(ch07.check_split_stages, equal_layers, "slowest stage costing")
+    fails(ch07.check_split_stages, greedy_average, "stage")
+    fails(ch07.check_split_stages, by_cost_round_robin, "consecutive layers")
+    fails(ch07.check_split_stages, cut_points, "a list of stages")
+    fails(ch07.check_split_stages, one_stage_too_few, "stages")
+    fails(ch07.check_split_stages, empty_stage, "no empty stage")
+    fails(ch07.check_split_stages, last_layer_dropped, "every layer")
+    fails(ch07.check_split_stages, two_stages_always, "stages")
+    fails(ch07.check_split_stages, balances_the_fastest, "slowest stage costing")
+    fails(ch07.check_split_stages, placeholder, "placeholder")

@@ -6,7 +6,8 @@ starting only when its input has arrived (the forward from the stage before,
 the backward from the stage after). The checks are properties - complete,
 feasible, as short as a pipeline can be, and (for 1F1B) within its memory
 bound - for several stage and micro-batch counts, including 3 stages. 7.3
-computes the idle fraction of timelines built by the checker.
+checks a stage split against the best possible one (dynamic programming) on
+seeded and hand-made layer costs.
 """
 
 from __future__ import annotations
@@ -127,51 +128,71 @@ def check_one_f_one_b(one_f_one_b) -> None:
 # ---------------------------------------------------------------- exercise 7.3
 
 
-def _timelines():
+# ---------------------------------------------------------------- exercise 7.3
+
+def best_slowest_stage(costs: list[float], p: int) -> float:
+    """The least possible cost of the slowest of p contiguous, non-empty stages."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][j]: least slowest stage splitting the first j layers into k stages
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for k in range(1, p + 1):
+        for j in range(k, n + 1):
+            best[k][j] = min(max(best[k - 1][i], prefix[j] - prefix[i])
+                             for i in range(k - 1, j))
+    return best[p][n]
+
+
+def _split_cases() -> list[tuple[list[float], int]]:
     rng = random.Random(7)
-    # two ranks, gaps between ops, and an unsorted order
-    yield [("rank 0", 0.0, 1.0), ("rank 1", 1.0, 2.0), ("rank 0", 2.0, 2.5),
-           ("rank 1", 2.5, 4.0)]
-    # three lanes that start late: idle time is measured from the first start
-    yield [("stage 0", 10.0, 11.0), ("stage 1", 11.0, 12.0), ("stage 2", 12.0, 13.0),
-           ("stage 0", 11.0, 12.0), ("stage 1", 12.0, 13.0), ("stage 2", 13.0, 14.0)]
-    # random spans with labels (4-tuples), none overlapping within a lane
-    spans = []
-    for lane in ("a", "b", "c", "d"):
-        t = rng.uniform(0, 1)
-        for k in range(5):
-            d = rng.uniform(0.1, 1.0)
-            spans.append((lane, t, t + d, f"op{k}"))
-            t += d + rng.uniform(0, 0.5)
-    rng.shuffle(spans)
-    yield spans
-    # one lane never used: it counts as idle
-    yield [("x", 0.0, 2.0), ("y", 0.5, 1.0)]
+    cases = [([3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0], 3),   # uneven layers
+             ([1.0] * 10, 4),                             # equal, 10 on 4
+             ([1.0, 1.0, 1.0, 12.0, 1.0, 1.0], 3),        # one heavy layer
+             ([2.0, 3.0, 5.0], 3),                        # one layer per stage
+             ([4.0, 1.0, 1.0, 1.0, 1.0, 4.0, 4.0, 1.0], 2)]
+    for n, p in ((9, 3), (13, 4), (16, 5), (11, 2), (20, 3)):
+        cases.append(([float(rng.randint(1, 9)) for _ in range(n)], p))
+    return cases
 
 
-def bubble_reference(spans, lanes=None) -> float:
-    names = set(lanes or ()) | {s[0] for s in spans}
-    start = min(s[1] for s in spans)
-    end = max(s[2] for s in spans)
-    busy = sum(s[2] - s[1] for s in spans)
-    return 1 - busy / (len(names) * (end - start))
-
-
-def check_idle_fraction(idle_fraction) -> None:
+def check_split_stages(split_stages) -> None:
+    """Exercise 7.3: ``split_stages(costs, p)``: p contiguous stages, the slowest
+    as cheap as possible."""
     ex = "7.3"
-    require_solution(ex, idle_fraction)
-    for spans in _timelines():
-        lanes = sorted({s[0] for s in spans})
-        if len(lanes) == 2 and lanes == ["x", "y"]:
-            lanes = ["x", "y", "z"]  # a stage that did nothing
-        want = bubble_reference(spans, lanes)
-        got = call_learner(ex, idle_fraction, list(spans), lanes)
+    require_solution(ex, split_stages)
+    for costs, p in _split_cases():
+        n = len(costs)
+        case = f"costs {costs}, p={p}"
+        got = call_learner(ex, split_stages, list(costs), p)
         try:
-            got = float(got)
+            stages = [[int(i) for i in stage] for stage in got]
         except (TypeError, ValueError):
-            fail(ex, "a fraction between 0 and 1", f"{got!r:.60}")
-        if abs(got - want) > 1e-9:
-            fail(ex, f"idle fraction {want:.4f} for {len(lanes)} lanes", f"{got:.4f}",
-                 "1 - busy time / (lanes x (last end - first start)), counting every "
-                 "lane given, even one that never worked")
-    passed(ex, "The idle fraction of measured timelines, any lanes and labels.")
+            fail(ex, "a list of stages, each a list of layer indices", f"{got!r:.80}")
+        if len(stages) != p:
+            fail(ex, f"{p} stages ({case})", f"{len(stages)} stages",
+                 "one list of layers per stage, p of them")
+        if any(not stage for stage in stages):
+            fail(ex, f"no empty stage ({case})", f"stages {stages}",
+                 "a stage without layers is a device that only waits")
+        flat = [i for stage in stages for i in stage]
+        if sorted(flat) != list(range(n)):
+            fail(ex, f"every layer 0..{n - 1} in exactly one stage ({case})",
+                 f"layers {sorted(flat)}", "cover every layer once")
+        if flat != list(range(n)):
+            fail(ex, f"stages of consecutive layers, in order ({case})",
+                 f"stages {stages}", "a pipeline stage is a run of consecutive "
+                 "layers: the activation of layer i goes to layer i + 1")
+        slowest = max(sum(costs[i] for i in stage) for stage in stages)
+        best = best_slowest_stage(costs, p)
+        if slowest > best + 1e-9:
+            fail(ex, f"the slowest stage costing {best:g} ({case})",
+                 f"stages {stages}, the slowest costing {slowest:g}",
+                 "every micro-batch waits for the slowest stage: balance the costs, "
+                 "not the number of layers (try every place for each cut, or search "
+                 "for the least feasible slowest cost)")
+    passed(ex, f"{len(_split_cases())} models, 2 to 5 stages: every split as balanced "
+               "as it can be.")
