@@ -356,12 +356,20 @@ def make_stage(rank, world_size):
                            for mod in (layer, nn.Tanh())])
 
 
+def rank_device(rank):
+    """This rank's GPU under nccl (one stage per GPU), else the CPU."""
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else \
+        torch.device("cpu")
+
+
 def run_pipeline(rank, world_size, plans, repeats):
     """Run each plan (name -> (m, per-rank orders)); spans, memory, gradients."""
-    stage = make_stage(rank, world_size)
+    dev = rank_device(rank)
+    done = torch.cuda.synchronize if dev.type == "cuda" else lambda *a: None
+    stage = make_stage(rank, world_size).to(dev)
     own = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     torch.manual_seed(1)
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    x, y = torch.randn(BATCH, WIDTH).to(dev), torch.randn(BATCH, WIDTH).to(dev)
     last = rank == world_size - 1
     results = {}
     for name, (m, plan) in plans.items():
@@ -377,7 +385,7 @@ def run_pipeline(rank, world_size, plans, repeats):
                     if rank == 0:
                         inp = xs[i]
                     else:
-                        inp = torch.empty(xs[i].shape[0], WIDTH)
+                        inp = torch.empty(xs[i].shape[0], WIDTH, device=dev)
                         dist.recv(inp, rank - 1)
                         inp.requires_grad_()
                     start, kept = time.perf_counter() - t0, []
@@ -411,6 +419,7 @@ def run_pipeline(rank, world_size, plans, repeats):
                     if rank > 0:
                         sends.append((dist.isend(inp.grad, rank - 1), inp.grad))
                     held -= nbytes
+                done(dev)  # on a GPU: the span ends when the work does
                 spans.append((f"stage {rank}", start, time.perf_counter() - t0,
                               f"{kind}{i}"))
             for request, _ in sends:
@@ -419,7 +428,7 @@ def run_pipeline(rank, world_size, plans, repeats):
             if best is None or total < best[0]:
                 best = (total, spans, most, peak)
         results[name] = best
-    return results, [p.grad.clone() for p in stage.parameters()]
+    return results, [p.grad.cpu() for p in stage.parameters()]
 
 
 def reference_gradients():
@@ -564,10 +573,11 @@ print("torch.distributed.pipeline (the old Pipe):",
 def library_rank(rank, world_size, m):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    stage_mod = make_stage(rank, world_size)  # a manual split: our own stage
-    stage = PipelineStage(stage_mod, rank, world_size, torch.device("cpu"))
+    dev = rank_device(rank)
+    stage_mod = make_stage(rank, world_size).to(dev)  # a manual split: our own
+    stage = PipelineStage(stage_mod, rank, world_size, dev)
     torch.manual_seed(1)
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    x, y = torch.randn(BATCH, WIDTH).to(dev), torch.randn(BATCH, WIDTH).to(dev)
     grads = {}
     for schedule_class in (ScheduleGPipe, Schedule1F1B):
         stage_mod.zero_grad()
@@ -578,7 +588,7 @@ def library_rank(rank, world_size, m):
             schedule.step(x)
         else:
             schedule.step(target=y)
-        grads[schedule_class.__name__] = [p.grad.clone() for p in stage_mod.parameters()]
+        grads[schedule_class.__name__] = [p.grad.cpu() for p in stage_mod.parameters()]
     return grads
 
 
@@ -591,8 +601,9 @@ for name in ("ScheduleGPipe", "Schedule1F1B"):
 
 # %% [markdown]
 # (The library averages over micro-batches by default, so the gradients equal
-# the whole batch's when the micro-batches are equal. On GPUs each stage is
-# given its GPU as `device`.)
+# the whole batch's when the micro-batches are equal. Under nccl, each stage
+# is given its GPU as `device`, as `rank_device` does here; the examples
+# below keep their stages on the CPU with gloo.)
 #
 # The library can also split a model itself: `pipeline()` traces the model
 # once with an example micro-batch and cuts it where `split_spec` says.
@@ -625,7 +636,7 @@ def traced_rank(rank, world_size):
     return pipe.num_stages, [n for n, _ in stage.submod.named_parameters()]
 
 
-for r in launch(traced_rank, P, timeout=120):
+for r in launch(traced_rank, P, timeout=120, backend="gloo"):  # CPU stages
     stages, names = r.value
     print(f"rank {r.rank}: stage {r.rank} of {stages}, parameters {names}")
 
@@ -667,7 +678,8 @@ def zero_bubble_rank(rank, world_size):
     return shown
 
 
-for name, order in launch(zero_bubble_rank, P, timeout=120)[0].value.items():
+for name, order in launch(zero_bubble_rank, P, timeout=120,
+                          backend="gloo")[0].value.items():
     print(f"{name}, rank 0: {' '.join(order)}")
 
 # %% [markdown]
@@ -716,7 +728,7 @@ def dp_pp_rank(rank, world_size):
     return stage_index, replica, [p.grad.clone() for p in stage_mod.parameters()]
 
 
-mesh_ranks = [r.value for r in launch(dp_pp_rank, 4, timeout=120)]
+mesh_ranks = [r.value for r in launch(dp_pp_rank, 4, timeout=120, backend="gloo")]
 for stage_index, replica, grads in mesh_ranks:
     want = ref_grads[:len(grads)] if stage_index == 0 else ref_grads[len(grads):]
     worst = max((a - b).abs().max().item() for a, b in zip(grads, want, strict=True))
