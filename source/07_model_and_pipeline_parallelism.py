@@ -296,8 +296,10 @@ def draw_schedules(p=4, m=8, v=2):
         ax.set_xlabel("time (forward = 1 unit, backward = 2)")
     plt.tight_layout()
     plt.show()
-    print(f"(p - 1) / (m + p - 1) = {(p - 1) / (m + p - 1):.0%}; with {v} chunks: "
-          f"{(p - 1) / (v * m + p - 1):.0%}")
+    print(f"formulas: (p - 1) / (m + p - 1) = {(p - 1) / (m + p - 1):.0%} for GPipe "
+          f"and 1F1B; (p - 1) / (vm + p - 1) = {(p - 1) / (v * m + p - 1):.0%} for "
+          "interleaving, which holds when m is a multiple of p (the titles give the "
+          "simulated bubbles)")
 
 
 widgets.interact(draw_schedules,
