@@ -271,6 +271,28 @@ def wrong_item_every_step(model, optimizer, batches, loss_fn):
     return total / len(batches)
 
 
+def wrong_float_every_step(model, optimizer, batches, loss_fn):
+    total = 0.0
+    for x, y in batches:
+        total += float(_step(model, optimizer, loss_fn, x, y).detach())
+    return total / len(batches)
+
+
+def wrong_cpu_every_step(model, optimizer, batches, loss_fn):
+    kept = [_step(model, optimizer, loss_fn, x, y).detach().cpu() for x, y in batches]
+    return sum(t.sum() for t in kept).item() / len(kept)
+
+
+def wrong_bool_every_step(model, optimizer, batches, loss_fn):
+    total = torch.zeros(())
+    for x, y in batches:
+        loss = _step(model, optimizer, loss_fn, x, y).detach()
+        if loss > 1e6:  # a divergence check reads the value every step
+            raise RuntimeError("diverged")
+        total += loss
+    return total.item() / len(batches)
+
+
 def wrong_print_every_step(model, optimizer, batches, loss_fn):
     total = 0
     for x, y in batches:
@@ -333,12 +355,15 @@ def wrong_tolist_every_step(model, optimizer, batches, loss_fn):
 
 
 @pytest.mark.parametrize("run_epoch, words", [
-    (wrong_to_cpu_every_step, "to"),
-    (wrong_numpy_every_step, "__array__"),
+    (wrong_to_cpu_every_step, ".to('cpu')"),
+    (wrong_numpy_every_step, "numpy.asarray"),
     (wrong_tolist_every_step, "tolist"),
     (placeholder, "placeholder"),
-    (wrong_item_every_step, "reads"),
-    (wrong_print_every_step, "reads"),
+    (wrong_item_every_step, ".item()"),
+    (wrong_print_every_step, "f-string"),
+    (wrong_float_every_step, "float()"),
+    (wrong_cpu_every_step, ".cpu()"),
+    (wrong_bool_every_step, "bool() or an if"),
     (wrong_keeps_graphs, "graphs alive"),
     (wrong_returns_tensor, "a tensor"),
     (wrong_no_zero_grad, "zero_grad"),

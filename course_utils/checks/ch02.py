@@ -243,6 +243,12 @@ def check_measure(measure) -> None:
 HOST_READS = frozenset({"item", "__float__", "__int__", "__index__", "__bool__",
                         "__complex__", "tolist", "cpu", "numpy", "__array__",
                         "__format__", "__repr__", "__str__"})
+READ_NAMES = {"item": ".item()", "__float__": "float()", "__int__": "int()",
+              "__index__": "an index", "__bool__": "bool() or an if",
+              "__complex__": "complex()", "tolist": ".tolist()", "cpu": ".cpu()",
+              "numpy": ".numpy()", "__array__": "numpy.asarray/np.array",
+              "__format__": "an f-string or format()", "__repr__": "print or repr()",
+              "__str__": "print or str()", "to": ".to('cpu')"}
 MAX_GRAPHS_ALIVE = 2  # the step's own graph and, at most, the previous one
 
 
@@ -349,7 +355,7 @@ def check_run_epoch(run_epoch) -> None:
              "accumulate loss.detach() (or a float), not loss itself: "
              "total += loss links each step's graph into the next")
     if len(counter.reads) > 2:
-        names = sorted(set(counter.reads))
+        names = sorted({READ_NAMES.get(r, r) for r in counter.reads})
         fail(ex, "one read of the loss by Python per epoch (at the end)",
              f"{len(counter.reads)} reads ({', '.join(names)}) in {steps} steps",
              "each .item(), float(), print, .tolist(), .cpu(), .to('cpu') or "
