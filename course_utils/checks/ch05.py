@@ -151,6 +151,26 @@ def check_dp_running_mean(dp_running_mean) -> None:
         if torch.allclose(got, last, atol=1e-5):
             fail(ex, f"replica 0's update ({case})", "the last chunk's",
                  "replica 0 gets the first chunk")
+        if torch.allclose(got, start, atol=1e-6):
+            fail(ex, f"replica 0's update ({case})", "the running mean unchanged",
+                 "replica 0 runs in train mode on its chunk, so its statistics move")
+        if torch.allclose(got, first.mean(0), atol=1e-5):
+            fail(ex, f"replica 0's update ({case})", "the chunk's mean itself",
+                 "a running mean moves by momentum towards the chunk's mean")
+        pieces = torch.chunk(x, n)
+        avg = torch.stack([(1 - momentum) * start + momentum * p.mean(0)
+                           for p in pieces]).mean(0)
+        if len(pieces) > 1 and torch.allclose(got, avg, atol=1e-5):
+            fail(ex, f"replica 0's update ({case})", "the average of every replica's",
+                 "DataParallel never averages buffers: the other replicas' "
+                 "statistics are lost")
+        seq = start.clone()
+        for p in pieces:
+            seq = (1 - momentum) * seq + momentum * p.mean(0)
+        if len(pieces) > 1 and torch.allclose(got, seq, atol=1e-5):
+            fail(ex, f"replica 0's update ({case})", "one module updated by every "
+                 "chunk in turn", "each replica is a separate copy; only replica 0's "
+                 "update is kept")
         fail(ex, f"{want.tolist()} ({case})", str(got.tolist()),
              "one BatchNorm update, with replica 0's chunk and the module's momentum")
     passed(ex, "Only replica 0's statistics survive a DataParallel step.")
