@@ -117,6 +117,9 @@ def check_saved_bytes(saved_bytes) -> None:
     for name, model, x in _bytes_cases():
         want = saved_bytes_reference(model, x)
         got = call_learner(ex, saved_bytes, model, x)
+        if isinstance(got, float) and got != int(got):
+            fail(ex, f"{want} bytes saved for backward by {name}", f"{got!r:.30}",
+                 "a whole number of bytes, not MiB, KiB or another unit")
         try:
             got = int(got)
         except (TypeError, ValueError):
@@ -126,7 +129,18 @@ def check_saved_bytes(saved_bytes) -> None:
         out_bytes = out.numel() * out.element_size()
         if got == want:
             continue
-        if got == params:
+        x_bytes = x.numel() * x.element_size()
+        if got == 0:
+            hint = ("nothing was saved: run the forward with grad enabled (not under "
+                    "torch.no_grad()) while the hooks are active")
+        elif got == 2 * want:
+            hint = "each saved tensor was counted twice; count each pack once"
+        elif got == x_bytes:
+            hint = "that is the input's size; the layers save more than their input"
+        elif got == params + out_bytes:
+            hint = ("parameters plus output is a guess; count the tensors autograd "
+                    "actually packs")
+        elif got == params:
             hint = "that is the parameters' size; count what autograd saves"
         elif got == out_bytes:
             hint = "that is the output's size; count every tensor saved for backward"
