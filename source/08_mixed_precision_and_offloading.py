@@ -31,6 +31,7 @@
 
 # %%
 import copy
+import json
 import os
 import tempfile
 import time
@@ -322,6 +323,51 @@ def draw_breakdown(batch=64):
 
 widgets.interact(draw_breakdown, batch=widgets.IntSlider(
     min=8, max=512, step=8, value=64, description="batch", continuous_update=False));
+
+# %% [markdown]
+# The hook counts what autograd keeps; the allocator sees every byte. On a CPU
+# the only honest reading of the allocator is the profiler's: with
+# `profile_memory=True` its trace has `[memory]` events, each carrying the
+# "Total Allocated" by the profiled code so far. (`torch.cuda.memory_*` reads 0
+# on a CPU-only build, and the process's RSS misses small blocks.) We profile
+# the forward pass and the backward pass of the same model separately (the
+# profiler may log its start and stop on stderr):
+
+# %%
+def allocator_bytes(fn):
+    """(peak, final) bytes allocated by fn() as the profiler's trace reports them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    profile_memory=True) as prof:
+            fn()
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]"]
+    return max(totals), totals[-1]
+
+
+torch.manual_seed(0)
+net = nn.Sequential(*[block(256) for _ in range(6)])
+xb = torch.randn(64, 256)
+hook_bytes, _ = saved_activation_bytes(lambda: net(xb), skip=list(net.parameters()))
+kept = {}
+fwd_peak, fwd_end = allocator_bytes(lambda: kept.update(out=net(xb)))
+grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+bwd_peak, _ = allocator_bytes(lambda: kept["out"].sum().backward())
+x_bytes, out_bytes = xb.numel() * 4, kept["out"].numel() * 4
+print(f"forward:  allocator holds {fwd_end:,} B at its end (peak {fwd_peak:,} B); "
+      f"hook's saved activations {hook_bytes:,} B - the input {x_bytes:,} B "
+      f"(allocated before) + the output {out_bytes:,} B = "
+      f"{hook_bytes - x_bytes + out_bytes:,} B: "
+      + ("equal" if fwd_end == hook_bytes - x_bytes + out_bytes else "different"))
+print(f"backward: allocator peak {bwd_peak:,} B; the gradients alone are "
+      f"{grad_bytes:,} B: "
+      + (f"{bwd_peak - grad_bytes:,} B more, the backward's temporaries (the "
+         "gradients passed between layers), net of the activations it frees"
+         if bwd_peak >= grad_bytes else "the peak is below the gradients?"))
 
 # %% [markdown]
 # For a large model we need not allocate anything to count: on the **meta**
