@@ -137,6 +137,18 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
     loss = nn.functional.mse_loss(h, torch.zeros_like(h))
 print(f"under CPU autocast (bf16): linear -> {h.dtype}, softmax -> {p.dtype}, "
       f"mse_loss -> {loss.dtype}; the parameters stay {lin.weight.dtype}")
+if torch.cuda.is_available():  # the same three operations under CUDA autocast
+    lin_g, xa_g = lin.cuda(), xa.cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        h = lin_g(xa_g)
+        p = torch.softmax(h, dim=-1)
+        loss = nn.functional.mse_loss(h, torch.zeros_like(h))
+    print(f"under CUDA autocast (fp16): linear -> {h.dtype}, softmax -> {p.dtype}, "
+          f"mse_loss -> {loss.dtype}")
+    lin = lin.cpu()
+else:
+    print("no GPU here: on CUDA, autocast puts softmax on its float32 list "
+          "(the autocast op reference in PyTorch's documentation)")
 
 # %% [markdown]
 # Is it faster? Only where the hardware has fast 16-bit arithmetic. Recent
