@@ -485,9 +485,13 @@ print(f"verdict: {ckpt['no checkpointing'][0] / ckpt['every 4 blocks'][0]:.0f}x 
 # would not). And its `loss.backward()` runs the backward pass of the first
 # half after that half went back to the CPU, while its activations are on the
 # GPU: the backward must wait until the half is back, so the boundary is
-# crossed by hand - detach there, back-propagate the second half, move the
-# halves, then `h.backward(h_in.grad)` (the chain rule across a split,
-# Chapter 7). Optimizer state would have to move too; plain SGD has none. The
+# crossed by hand - back-propagate the second half from a detached input, move
+# the halves, then `h.backward(h_in.grad)` (the chain rule across a split,
+# Chapter 7). And a graph through the first half would keep that half's GPU
+# weights alive in its saved tensors (a matmul saves its weight) after `.to()`
+# moved the parameters out, so the GPU version runs the first half's forward
+# without a graph and again, with one, when the half is back (as checkpointing
+# does). Optimizer state would have to move too; plain SGD has none. The
 # cost is the transfer: every step moves each offloaded half in and out. Here
 # the slower tier is a file, and the weights after training must equal a run
 # that kept everything resident:
@@ -551,17 +555,19 @@ if torch.cuda.is_available():  # the seed's swap for real, with the GPU's own co
         opt.zero_grad(set_to_none=True)
 
     def swapping_step(half1, half2, opt1, opt2, x, y):
-        """Only one half (and its gradients) on the GPU at a time."""
+        """Only one half's weights (and gradients) on the GPU at a time."""
         half1.to(gpu)
-        h = half1(x)
+        with torch.no_grad():  # no graph: nothing keeps half 1's GPU weights alive
+            h_in = half1(x)
         half1.to("cpu")  # in place: opt1 keeps the same parameter objects
-        h_in = h.detach().requires_grad_()  # the boundary, crossed by hand below
+        h_in.requires_grad_()  # the boundary, crossed by hand below
         half2.to(gpu)
         mse(half2(h_in), y).backward()  # half 2's gradients, and h_in.grad
         opt2.step()
         opt2.zero_grad(set_to_none=True)
         half2.to("cpu")
-        half1.to(gpu)  # its activations waited on the GPU
+        half1.to(gpu)
+        h = half1(x)  # half 1's forward again, this time with a graph
         h.backward(h_in.grad)  # the chain rule across the boundary (Chapter 7)
         opt1.step()
         opt1.zero_grad(set_to_none=True)
@@ -600,6 +606,8 @@ if torch.cuda.is_available():  # the seed's swap for real, with the GPU's own co
     print(f"on {torch.cuda.get_device_name(gpu)} (torch.cuda.max_memory_allocated): "
           f"peak {resident_peak / 2**20:.0f} MiB resident, {swapped_peak / 2**20:.0f} "
           f"MiB swapping halves; same weights after 3 steps: {close}")
+    print("verdict:", "swapping lowered the peak" if swapped_peak < resident_peak
+          else "swapping did not lower the peak")
 else:
     print("no GPU: the swap above used a file as the slow tier. With a GPU, this "
           "cell also runs the seed's swap for real, one half on the GPU at a time, "
