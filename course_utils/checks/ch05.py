@@ -11,6 +11,7 @@ replica 0's survive.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -55,10 +56,21 @@ def check_scatter_batch(scatter_batch) -> None:
 # ---------------------------------------------------------------- exercise 5.2
 
 
+class _Pause(nn.Module):
+    """A layer that takes a while (a sleep: it lets other threads run), as a real
+    layer does: replicas run in threads really overlap, so one module object
+    shared by the threads shows its race on every run, however busy the machine."""
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return x
+
+
 def _models(g):
     torch.manual_seed(int(torch.randint(0, 1000, (1,), generator=g)))
-    yield nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    yield nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2), nn.Sigmoid())
+    yield nn.Sequential(nn.Linear(4, 8), _Pause(), nn.Tanh(), nn.Linear(8, 2))
+    yield nn.Sequential(nn.Linear(4, 3), nn.ReLU(), _Pause(), nn.Linear(3, 2),
+                        nn.Sigmoid())
 
 
 STEP_CASES = [(10, 3), (7, 2), (12, 4), (5, 3)]  # batch, devices (uneven chunks)
