@@ -239,11 +239,30 @@ except ValueError as e:
 # `torch.backends.cuda.matmul.allow_tf32` /
 # `torch.set_float32_matmul_precision("high")`, and, in recent releases, a
 # per-backend `fp32_precision` setting; mixing the two raises an error when
-# read. On a CPU the oneDNN backend has the same kind of switch, with bf16 as
-# the faster internal format:
+# read (the cell sets the new one and reads the legacy ones, then restores
+# them; use only the new API). On a CPU the oneDNN backend has the same kind
+# of switch, with bf16 as the faster internal format:
 
 # %%
 print("float32 matmul precision:", torch.get_float32_matmul_precision())
+cuda_mm = torch.backends.cuda.matmul  # settable, and readable, without a GPU
+old_cuda = cuda_mm.fp32_precision
+print(f"CUDA matmul: fp32_precision {old_cuda!r}, legacy allow_tf32 "
+      f"{cuda_mm.allow_tf32}")
+try:
+    cuda_mm.fp32_precision = "tf32"  # the new API...
+    for name, read in (("allow_tf32", lambda: cuda_mm.allow_tf32),
+                       ("get_float32_matmul_precision()",
+                        torch.get_float32_matmul_precision)):
+        try:  # ...then a legacy read
+            print(f"  after the new API, reading {name}: {read()}")
+        except RuntimeError as e:
+            print(f"  after the new API, reading {name}: RuntimeError: "
+                  f"{str(e).split(',')[1][:90]}...")
+finally:
+    cuda_mm.fp32_precision = old_cuda
+print(f"restored: fp32_precision {cuda_mm.fp32_precision!r}, allow_tf32 "
+      f"{cuda_mm.allow_tf32}")
 a64 = torch.randn(512, 512, dtype=torch.float64)
 a32 = a64.float()
 exact = a64 @ a64
@@ -628,8 +647,12 @@ for n_params_half in (half_bytes / 4, 3.5e9):
 #   fp32 master weights; fp16 needs a GradScaler (skips inf steps, adjusts the
 #   scale), bf16 does not.
 # - Training memory is 16 bytes per parameter with Adam, plus activations that
-#   grow with the batch; the saved-tensor hook counts them exactly, the meta
-#   device counts a huge model without memory.
+#   grow with the batch; the saved-tensor hook counts them exactly, the
+#   profiler's `[memory]` events read the allocator (on a CPU, never
+#   `torch.cuda.memory_*`), the meta device counts a huge model - Adam's state
+#   included - without memory.
+# - TF32 (and oneDNN's bf16 path on CPUs) trade fp32 accuracy for speed; set
+#   it with one API only, as mixing the legacy and the new ones raises.
 # - Checkpointing recomputes to save activation memory; offloading moves
 #   tensors to a slower tier and pays the transfer every step.
 
