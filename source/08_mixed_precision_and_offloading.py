@@ -283,6 +283,10 @@ finally:
 for mode, (t, err) in results.items():
     print(f"oneDNN fp32 matmul, internal {mode:4}: {format_seconds(t):>9}, largest "
           f"relative error {err:.1e}")
+if len(results) == 2:
+    (t_i, e_i), (t_b, e_b) = results["ieee"], results["bf16"]
+    print(f"verdict on this CPU: the bf16 path took {t_b / t_i:.2f}x the time, with "
+          f"{e_b / e_i:.1f}x the error" + (" - no faster here" if t_b >= t_i else ""))
 if not results:
     print("this torch has no oneDNN fp32_precision switch")
 
