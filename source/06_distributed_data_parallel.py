@@ -956,9 +956,10 @@ print("processes started from this notebook that are still running:",
 # ## 9. DDP in practice
 #
 # The script of section 2 is the core of every DDP program. Real training runs
-# add a handful of things to it. Each is shown below on CPU ranks with `gloo`;
-# each works the same way on GPUs with `nccl` (where it differs, the cell says
-# so).
+# add a handful of things to it. Each is shown below on CPU ranks with `gloo`
+# (the BatchNorm cell and the throughput measurement use the GPUs when every
+# rank has one); each works the same way on GPUs with `nccl`, the model moved
+# to the rank's GPU first.
 #
 # ### Gradient accumulation and `no_sync()`
 #
@@ -995,7 +996,8 @@ def accumulate(rank, world_size, k, use_no_sync):
 
 K = 4
 for use_no_sync in (False, True):
-    grads, reductions = launch(accumulate, nprocs=2, args=(K, use_no_sync))[0].value
+    grads, reductions = launch(accumulate, nprocs=2, args=(K, use_no_sync),
+                               backend="gloo")[0].value
     print(f"{K} micro-batches per rank, no_sync {'used' if use_no_sync else 'not used'}:"
           f" {reductions} all-reduce call{'s' if reductions > 1 else ''}, gradient "
           f"differs from the full batch's by {max_diff(grads, single[0]):.1e}")
@@ -1041,7 +1043,7 @@ def two_heads(rank, world_size):
     return outcome
 
 
-for options, what in launch(two_heads, nprocs=2)[0].value.items():
+for options, what in launch(two_heads, nprocs=2, backend="gloo")[0].value.items():
     print(f"DDP(model, **{options}): {what}")
 
 # %% [markdown]
@@ -1076,9 +1078,9 @@ def batchnorm_under_ddp(rank, world_size):
     plain(mine.to(d))
     plain(mine.to(d))  # the second forward starts with rank 0's buffers
     # SyncBatchNorm's statistics, by hand: sums over every rank's samples
-    sums = torch.stack([mine.sum(0), (mine**2).sum(0), torch.full((3,), 16.0)])
+    sums = torch.stack([mine.sum(0), (mine**2).sum(0), torch.full((3,), 16.0)]).to(d)
     dist.all_reduce(sums)
-    by_hand = sums[0] / sums[2]
+    by_hand = (sums[0] / sums[2]).cpu()
     try:
         sync = nn.SyncBatchNorm(3, momentum=None).to(d)
         DDP(sync, device_ids=[rank] if d.type == "cuda" else None)(mine.to(d))
@@ -1165,7 +1167,7 @@ def profile_buckets(rank, world_size, bucket_cap_mb):
 LANES = ["backward (main thread)", "all_reduce (gloo threads)"]
 fig, axes = plt.subplots(2, 1, figsize=(8, 3.8), sharex=True)
 for ax, cap in zip(axes, (25, 1), strict=True):
-    spans = launch(profile_buckets, nprocs=2, args=(cap,))[0].value
+    spans = launch(profile_buckets, nprocs=2, args=(cap,), backend="gloo")[0].value
     reduces = [s for s in spans if s[0] == LANES[1]]
     backward_end = max(s[2] for s in spans if s[0] == LANES[0])
     early = sum(s[1] < backward_end for s in reduces)
