@@ -229,9 +229,11 @@ def test_wrong_steps_fail():
     fails(ch05.check_data_parallel_step, no_backward, "no .grad")
     # one module object shared by threads: the copies swapped in may stay behind,
     # or the gradients come out wrong - either way it must not pass
-    with pytest.raises(ExerciseFailed):
+    with pytest.raises(ExerciseFailed) as err:
         for _ in range(3):
             ch05.check_data_parallel_step(shared_module_in_threads)
+    assert any(w in str(err.value) for w in ("own module object", "gradient")), \
+        str(err.value)
 
 
 # ---------------------------------------------------------------- 5.3
