@@ -39,10 +39,12 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
                                         timeout=TIMEOUT_S, backend="gloo")]
     except RankFailed as e:
         first = str(e).splitlines()[0]
-        known = {**known, "Connection closed by peer": (
-            "every rank to call the same collectives",
-            "a rank waited in a collective that another rank never called",
-            "every rank must call the same collectives, in the same order")}
+        # gloo's words when the other side went away ("Connection closed by
+        # peer", or "Read error ... Connection reset by peer", by timing)
+        unmatched = ("every rank to call the same collectives",
+                     "a rank waited in a collective that another rank never called",
+                     "every rank must call the same collectives, in the same order")
+        known = {**known, "closed by peer": unmatched, "reset by peer": unmatched}
         for key, (expected, seen, hint) in known.items():
             if key in first:
                 fail(exercise, expected, f"{seen} ({first[:160]})", hint)
