@@ -877,12 +877,6 @@ print("the local losses were", [v[0] for v in values])
 # We start two "nodes" on this machine, one process each, at the same time.
 
 # %%
-port = free_port()
-node_cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--tee=3",
-                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                       "--rdzv_id=ch06", "--rdzv_conf=join_timeout=60"]
-
-
 def node_env(i):
     """Each "node" sees only its own GPU, as a real machine would; none if short."""
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")  # respect a mapping set outside
@@ -890,20 +884,42 @@ def node_env(i):
     return {**os.environ, "CUDA_VISIBLE_DEVICES": visible[i] if gpus >= 2 else ""}
 
 
-nodes = [subprocess.Popen(node_cmd + [f"--node_rank={i}", str(SCRIPT)],
-                          env=node_env(i), text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-         for i in range(2)]
-print("$", " ".join(map(str, node_cmd)), "--node_rank=0|1", SCRIPT)
+def run_two_nodes(timeout=60):
+    """Start one torchrun agent per "node"; (command, [(exit code, out, err)])."""
+    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--tee=3",
+                      "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                      "--rdzv_id=ch06", "--rdzv_conf=join_timeout=60"]
+    # output to files, not pipes: a pipe nobody reads yet can fill up and stop
+    # the agent writing to it, and with it the whole job
+    logs = [(WORK / f"node{i}.out", WORK / f"node{i}.err") for i in range(2)]
+    nodes = []
+    try:
+        for i, (out, err) in enumerate(logs):
+            with open(out, "w") as o, open(err, "w") as e:
+                nodes.append(subprocess.Popen(cmd + [f"--node_rank={i}", str(SCRIPT)],
+                                              env=node_env(i), stdout=o, stderr=e))
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            node.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:  # after a failure or a timeout: end both agents and their workers
+        stop_tree([node.pid for node in nodes if node.poll() is None])
+    return cmd, [(node.returncode, out.read_text(), err.read_text())
+                 for node, (out, err) in zip(nodes, logs, strict=True)]
+
+
 try:
-    for i, node in enumerate(nodes):
-        out, err = node.communicate(timeout=90)
-        for line in out.splitlines() + [e for e in err.splitlines() if "node_rank" in e]:
-            print(f"[node {i}] {line}")
-        if node.returncode != 0:
-            raise RuntimeError(f"node {i} failed:\n{err[-3000:]}")
-finally:  # after a failure or a timeout: end both agents and their workers
-    stop_tree([node.pid for node in nodes if node.poll() is None])
+    cmd, finished = run_two_nodes()
+except subprocess.TimeoutExpired:
+    print("the two nodes did not finish within 60 s; both were stopped. The end of "
+          "node 0's log:", *(WORK / "node0.err").read_text().splitlines()[-5:],
+          "trying once more, on a new port", sep="\n")
+    cmd, finished = run_two_nodes()
+print("$", " ".join(map(str, cmd)), "--node_rank=0|1", SCRIPT)
+for i, (code, out, err) in enumerate(finished):
+    for line in out.splitlines() + [e for e in err.splitlines() if "node_rank" in e]:
+        print(f"[node {i}] {line}")
+    if code != 0:
+        raise RuntimeError(f"node {i} failed:\n{err[-3000:]}")
 
 # %% [markdown]
 # Each node printed its own line, and both hold the same weights. The node
