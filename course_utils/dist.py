@@ -569,6 +569,9 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
     print(f"launching {nprocs} process{'es' if nprocs > 1 else ''}: {method}, "
           f"backend {backend}{note}, {threads} thread{'s' if threads > 1 else ''} "
           f"each, rendezvous 127.0.0.1:{port}, timeout {timeout:g} s{why}{crowd}")
+    if method == "fork":  # DDP and the optimizers import torch._dynamo on first use
+        # (about a second of CPU): imported once here, every forked rank has it
+        importlib.import_module("torch._dynamo")
     run = _run(fn, nprocs, args, timeout, backend, init, port, method, threads)
     if picked and _port_taken(run):  # another program took the port meanwhile
         port = free_port()

@@ -649,7 +649,7 @@ print(f"the object version takes {ratio:.1f} x as long here")
 # you typically get on this machine).
 
 # %%
-REPEATS = 15
+REPEATS = 9
 
 
 def time_all_reduce(rank, world_size, repeats):
@@ -660,7 +660,7 @@ def time_all_reduce(rank, world_size, repeats):
     for size in sizes:
         t = torch.ones(size // 4, device=d)
         dist.all_reduce(t)  # warm-up (and connection set-up)
-        calls = max(2, min(50, 2**22 // size))  # a burst of a few ms on a CPU
+        calls = max(2, min(32, 2**21 // size))  # a burst of a millisecond or two on a CPU
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -1262,7 +1262,7 @@ def one_rank_busy(rank, world_size):
     from datetime import timedelta
 
     if rank == 1:
-        time.sleep(1.5)  # stuck in something else
+        time.sleep(1.0)  # stuck in something else, for twice the barrier's timeout
         return "was busy"
     try:
         with quiet_stderr():  # gloo also logs the error on stderr
@@ -1492,7 +1492,7 @@ def throughput(rank, world_size, steps, batch):
 def scaling(sizes, backend):
     rows = {}
     for n in sizes:
-        out = launch(throughput, nprocs=n, args=(10, 64), backend=backend)
+        out = launch(throughput, nprocs=n, args=(6, 64), backend=backend)
         rows[n] = (out[0].value[0], max(r.value[1]["DDP step"] for r in out),
                    max(r.value[1]["compute only (no_sync)"] for r in out))
     return rows
