@@ -1257,6 +1257,10 @@ if max(thread_counts) == 1:
     print("verdict: one usable core - nothing to compare")
 elif top >= 1.5:
     print(f"verdict: {top:.2f}x - the extra threads found free cores")
+elif top < 0.8:
+    print(f"verdict: {top:.2f}x, a slow-down - another process held a core, and the "
+          "threads of one matmul wait for each other, so the one without a core "
+          "sets the pace (run again on a quiet machine)")
 else:
     print(f"verdict: {top:.2f}x, no real speed-up - other processes held the cores "
           "this time (run again on a quiet machine)")

@@ -661,7 +661,10 @@ def thread_verdict(seq, par):
                 f"{busy:.2f} cores busy, so a second core was not free for them "
                 f"(load average {os.getloadavg()[0]:.1f})")
     return (f"no speed-up here ({speedup:.2f}x) although {busy:.2f} cores were "
-            "busy: the two loops slowed each other down (shared caches and memory)")
+            f"busy: each matmul cost {par['cpu'] / seq['cpu']:.2f}x the CPU time it "
+            "took one after the other - the threads slowed each other down (shared "
+            "caches and memory, or two logical cores on one physical core), or "
+            "another program did")
 
 
 n_cpu, reps_cpu = 320, 10
