@@ -903,7 +903,10 @@ def node_env(i):
     return {**os.environ, "CUDA_VISIBLE_DEVICES": visible[i] if gpus >= 2 else ""}
 
 
-def run_two_nodes(timeout=25):  # about 6 s here, 10 s with a core busy
+TWO_NODES_TIMEOUT_S = 25  # the run takes about 6 s here, 10 s with a core busy
+
+
+def run_two_nodes(timeout=TWO_NODES_TIMEOUT_S):
     """Start one torchrun agent per "node"; (command, [(exit code, out, err)])."""
     cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--tee=3",
                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
@@ -932,8 +935,8 @@ for attempt in (1, 2):  # a second try only after a hang or a crash, shown first
     except subprocess.TimeoutExpired:
         if attempt == 2:
             raise
-        print("the two nodes did not finish within 25 s; both were stopped. The end "
-              "of node 0's log:", *(WORK / "node0.err").read_text().splitlines()[-5:],
+        print(f"the two nodes did not finish within {TWO_NODES_TIMEOUT_S} s; both were "
+              "stopped. The end of node 0's log:", *(WORK / "node0.err").read_text().splitlines()[-5:],
               "-> trying once more, on a new port", sep="\n")
         continue
     crashed = [(i, code, err) for i, (code, _, err) in enumerate(finished) if code]
