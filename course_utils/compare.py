@@ -1,0 +1,383 @@
+"""Compare two timings honestly on a machine other programs also use.
+
+Introduced in Chapter 4 ("CPU parallelism"), used by every cell that compares
+timings (Chapters 1-8). A speed-up printed by a notebook is only a lesson if
+the machine was ours while it ran; on a laptop or a shared server another
+program can take a core half-way through and make the slower option look
+faster. So every comparison follows one protocol:
+
+- warm-up calls of every option first (caches, lazy initialisation, threads);
+- then the options run interleaved, A B A B ..., ``repeats`` times each, so a
+  slow minute hurts both options alike;
+- each run records its wall seconds and the CPU seconds of everything that
+  worked for it: this process (all its threads, ``time.process_time``), its
+  finished child processes (``resource.getrusage``), and CPU seconds that other
+  processes report back (a timed function may return ``{"cpu_s": ...}``, e.g.
+  the sum over its ranks or pool workers; add ``"wall_s"`` too if it timed
+  itself, then both figures are taken as they are);
+- busy cores = CPU seconds / wall seconds: a 2x speed-up from two threads
+  needs about 2 busy cores, and the verdict says where a speed-up came from
+  (more busy cores, or less CPU work);
+- the CPU seconds the whole machine spent during each run (``/proc/stat`` on
+  Linux) minus ours tells how many cores *other programs* used; a run during
+  which they used more than ``quiet_cores`` is set aside. With too few quiet
+  runs left the verdict is "disturbed: another program used the cores - run
+  again", never a speed-up. The load average before and after is printed too.
+
+The verdict is one of ``faster``, ``slower``, ``the same within noise`` or
+``disturbed: ...``: "faster" needs the second option faster in (nearly) every
+interleaved pair by more than ``tolerance``. A timing that cannot be made
+honest (a disturbed one) is shown as its min-max range, not a single number.
+
+Usage::
+
+    result = compare({"one thread": run_a, "two threads": run_b}, repeats=5)
+    print(result)            # a small table and the verdict line
+    result.outcome           # "faster", "slower", "same" or "disturbed"
+    result.ratio             # median time of the first / of the second
+
+Give one option to measure a single timing as a range, or more than two to
+compare each with the first.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["Comparison", "Option", "Run", "compare", "usable_cores"]
+
+OUTCOMES = ("faster", "slower", "same", "disturbed")
+DISTURBED = "disturbed: another program used the cores - run again"
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (its affinity set, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (Linux only)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    # guest time is already part of user time
+    total = sum(ticks[:8])
+    return (total - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+@dataclass
+class Run:
+    """One timed call: wall and CPU seconds, and what other programs used."""
+
+    wall_s: float
+    cpu_s: float
+    others_cores: float | None  # None where the machine's counters are unknown
+
+    @property
+    def busy_cores(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def quiet(self, quiet_cores: float) -> bool:
+        return self.others_cores is None or self.others_cores <= quiet_cores
+
+
+@dataclass
+class Option:
+    """Every run of one option, and figures over its quiet runs."""
+
+    label: str
+    runs: list[Run] = field(default_factory=list)
+    kept: list[bool] = field(default_factory=list)
+
+    def _quiet(self) -> list[Run]:
+        runs = [r for r, k in zip(self.runs, self.kept, strict=True) if k]
+        return runs or self.runs
+
+    @property
+    def median(self) -> float:
+        return _median([r.wall_s for r in self._quiet()])
+
+    @property
+    def low(self) -> float:
+        return min(r.wall_s for r in self.runs)
+
+    @property
+    def high(self) -> float:
+        return max(r.wall_s for r in self.runs)
+
+    @property
+    def cpu_s(self) -> float:
+        """Median CPU seconds of a quiet run."""
+        return _median([r.cpu_s for r in self._quiet()])
+
+    @property
+    def busy_cores(self) -> float:
+        """Median busy cores of a quiet run."""
+        return _median([r.busy_cores for r in self._quiet()])
+
+    @property
+    def others_cores(self) -> float | None:
+        seen = [r.others_cores for r in self.runs if r.others_cores is not None]
+        return max(seen) if seen else None
+
+
+@dataclass
+class Comparison:
+    """What ``compare`` measured; ``print`` it to show the table and verdict."""
+
+    options: list[Option]
+    load_before: float | None
+    load_after: float | None
+    cores: int
+    outcomes: dict[str, str]
+    verdicts: dict[str, str]
+    ratios: dict[str, float]
+    quiet_cores: float
+
+    @property
+    def outcome(self) -> str:
+        """``faster``/``slower``/``same``/``disturbed`` of the second option vs
+        the first (with one option: ``measured`` or ``disturbed``); with more
+        options, ``disturbed`` if any was, else that of the last one."""
+        if not self.outcomes:
+            return "disturbed" if self.disturbed else "measured"
+        if "disturbed" in self.outcomes.values():
+            return "disturbed"
+        return list(self.outcomes.values())[-1]
+
+    @property
+    def verdict(self) -> str:
+        """The verdict line(s), without the table."""
+        if not self.verdicts:
+            if self.disturbed:
+                return DISTURBED
+            return f"{self.options[0].label}: measured on a quiet machine"
+        return "\n".join(self.verdicts.values())
+
+    @property
+    def ratio(self) -> float:
+        """Median time of the first option / of the second (>1: second faster)."""
+        return list(self.ratios.values())[0] if self.ratios else math.nan
+
+    @property
+    def disturbed(self) -> bool:
+        return any(
+            sum(o.kept) < _enough(len(o.runs)) for o in self.options
+        )
+
+    def __getitem__(self, label: str) -> Option:
+        for o in self.options:
+            if o.label == label:
+                return o
+        raise KeyError(label)
+
+    def table(self) -> str:
+        width = max(12, *(len(o.label) for o in self.options))
+        head = (
+            f"{'option':<{width}}  {'median':>9}  {'range (min-max)':>21}  "
+            f"{'CPU s':>7}  {'busy cores':>10}"
+        )
+        lines = [head]
+        for o in self.options:
+            disturbed = sum(o.kept) < _enough(len(o.runs))
+            median = "-" if disturbed else _fmt(o.median)
+            span = f"{_fmt(o.low)} - {_fmt(o.high)}"
+            lines.append(
+                f"{o.label:<{width}}  {median:>9}  {span:>21}  "
+                f"{o.cpu_s:>7.3f}  {o.busy_cores:>10.2f}"
+            )
+        runs = len(self.options[0].runs)
+        load = (
+            "load unknown"
+            if self.load_before is None
+            else f"load {self.load_before:.2f} -> {self.load_after:.2f}"
+        )
+        others = [o.others_cores for o in self.options if o.others_cores is not None]
+        busy_elsewhere = (
+            f"; other programs used up to {max(others):.2f} cores during a run"
+            if others
+            else ""
+        )
+        lines.append(
+            f"{runs} interleaved runs each; {load} (1-min average); "
+            f"{self.cores} usable cores{busy_elsewhere}"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return f"{self.table()}\nverdict: {self.verdict}"
+
+    __repr__ = __str__
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        return math.nan
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _enough(n: int) -> int:
+    """Quiet runs an option needs for a verdict: most of them, and at least 2."""
+    return min(n, max(2, (n + 1) // 2))
+
+
+def _fmt(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(s) >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+def _timed(fn: Callable[[], object], number: int) -> Run:
+    load0 = _machine_busy_s()
+    own0, kids0 = time.process_time(), _children_cpu_s()
+    t0 = time.perf_counter()
+    reported_cpu, reported_wall = 0.0, 0.0
+    for _ in range(number):
+        out = fn()
+        if isinstance(out, Mapping):
+            reported_cpu += float(out.get("cpu_s", 0.0))
+            reported_wall += float(out.get("wall_s", 0.0))
+    wall = time.perf_counter() - t0
+    own = time.process_time() - own0 + _children_cpu_s() - kids0
+    load1 = _machine_busy_s()
+    ours = own + reported_cpu
+    others = None
+    if load0 is not None and load1 is not None and wall > 0:
+        others = max(0.0, (load1 - load0 - ours) / wall)
+    if reported_wall > 0:
+        return Run(wall_s=reported_wall, cpu_s=reported_cpu, others_cores=others)
+    return Run(wall_s=wall, cpu_s=ours, others_cores=others)
+
+
+def _judge(
+    base: Option, other: Option, tolerance: float, quiet_cores: float
+) -> tuple[str, str, float]:
+    """(outcome, verdict line, ratio) for ``other`` against ``base``."""
+    name = f"{other.label} vs {base.label}"
+    pairs = [
+        (a.wall_s, b.wall_s)
+        for a, b, ka, kb in zip(
+            base.runs, other.runs, base.kept, other.kept, strict=True
+        )
+        if ka and kb
+    ]
+    ratio = base.median / other.median if other.median > 0 else math.nan
+    if len(pairs) < _enough(len(base.runs)):
+        return "disturbed", f"{name}: {DISTURBED}", ratio
+    faster = sum(a > b * (1 + tolerance) for a, b in pairs)
+    slower = sum(b > a * (1 + tolerance) for a, b in pairs)
+    needed = len(pairs) - (1 if len(pairs) >= 5 else 0)
+    busy = other.busy_cores / base.busy_cores if base.busy_cores > 0 else math.nan
+    cpu = other.cpu_s / base.cpu_s if base.cpu_s > 0 else math.nan
+    why = (
+        f"busy cores {base.busy_cores:.2f} -> {other.busy_cores:.2f}, "
+        f"CPU seconds x{cpu:.2f}"
+    )
+    if faster >= needed:
+        outcome = "faster"
+        line = f"{name}: faster, {ratio:.2f}x ({why})"
+        if busy > 1.2 and cpu < 1.2:
+            line += ": the gain came from more busy cores"
+        elif cpu < 0.85 and busy < 1.2:
+            line += ": the gain came from less CPU work, not more cores"
+    elif slower >= needed:
+        outcome = "slower"
+        line = f"{name}: slower, {1 / ratio:.2f}x the time ({why})"
+    else:
+        outcome = "same"
+        line = (
+            f"{name}: the same within noise (faster in {faster}, slower in "
+            f"{slower} of {len(pairs)} interleaved pairs; {why})"
+        )
+    if other.busy_cores > usable_cores() + 0.25:
+        outcome = "disturbed"
+        line = (
+            f"{name}: {DISTURBED} (more busy cores counted than exist: "
+            "CPU seconds were reported twice)"
+        )
+    return outcome, line, ratio
+
+
+def compare(
+    options: Mapping[str, Callable[[], object]],
+    repeats: int = 5,
+    warmup: int = 1,
+    number: int = 1,
+    tolerance: float = 0.05,
+    quiet_cores: float = 0.5,
+) -> Comparison:
+    """Time each option ``repeats`` times, interleaved, and judge the difference.
+
+    Chapter 4. ``options`` maps a label to a function of no arguments; the
+    first is the baseline. Each run calls the function ``number`` times. A
+    function whose work runs in other processes that this one does not wait
+    for (ranks, a pool kept alive) returns ``{"cpu_s": seconds}`` for them.
+    ``tolerance`` is the relative difference below which two times count as
+    equal; ``quiet_cores`` how many cores other programs may use during a run
+    before it is set aside.
+    """
+    if not options:
+        raise ValueError("compare() needs at least one option")
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    fns = dict(options)
+    idle_load = _load()  # before our own warm-up adds to it
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    load_before = _load()
+    opts = [Option(label) for label in fns]
+    for _ in range(repeats):
+        for opt in opts:
+            run = _timed(fns[opt.label], number)
+            opt.runs.append(run)
+            quiet = run.quiet(quiet_cores)
+            if run.others_cores is None and idle_load is not None:
+                # no per-run counters (not Linux): trust only an idle start
+                quiet = idle_load <= quiet_cores
+            opt.kept.append(quiet)
+    load_after = _load()
+    outcomes, verdicts, ratios = {}, {}, {}
+    for other in opts[1:]:
+        outcome, line, ratio = _judge(opts[0], other, tolerance, quiet_cores)
+        outcomes[other.label] = outcome
+        verdicts[other.label] = line
+        ratios[other.label] = ratio
+    return Comparison(
+        options=opts,
+        load_before=load_before,
+        load_after=load_after,
+        cores=usable_cores(),
+        outcomes=outcomes,
+        verdicts=verdicts,
+        ratios=ratios,
+        quiet_cores=quiet_cores,
+    )
