@@ -1,0 +1,156 @@
+"""The comparison protocol: interleaving, CPU accounting and verdicts.
+
+Timed functions sleep (no CPU) or report CPU seconds, so the verdicts below do
+not depend on how busy the machine is; the machine-wide counter is replaced by
+one that sees only this process, or one that sees another program.
+"""
+
+import time
+
+import pytest
+
+import course_utils.compare as cmp
+
+
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """The machine-wide counter sees nothing but what the runs report."""
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: None)
+    monkeypatch.setattr(cmp, "_load", lambda: 0.0)
+
+
+def sleeper(seconds, cpu_s=None):
+    def run():
+        time.sleep(seconds)
+        return None if cpu_s is None else {"cpu_s": cpu_s}
+
+    return run
+
+
+def test_runs_are_interleaved_after_a_warm_up(quiet_machine):
+    calls = []
+    result = cmp.compare(
+        {"A": lambda: calls.append("A"), "B": lambda: calls.append("B")},
+        repeats=3,
+        warmup=2,
+    )
+    assert calls == ["A", "A", "B", "B"] + ["A", "B"] * 3
+    assert [len(o.runs) for o in result.options] == [3, 3]
+
+
+def test_a_clear_difference_is_faster_or_slower(quiet_machine):
+    result = cmp.compare({"slow": sleeper(0.04), "quick": sleeper(0.01)}, repeats=3)
+    assert result.outcome == "faster"
+    assert result.ratio == pytest.approx(4, rel=0.5)
+    assert "quick vs slow: faster" in result.verdict
+    back = cmp.compare({"quick": sleeper(0.01), "slow": sleeper(0.04)}, repeats=3)
+    assert back.outcome == "slower"
+    assert "slower" in str(back)
+
+
+def test_equal_times_are_the_same_within_noise(quiet_machine):
+    result = cmp.compare(
+        {"a": sleeper(0.02), "b": sleeper(0.02)}, repeats=4, tolerance=0.5
+    )
+    assert result.outcome == "same"
+    assert "the same within noise" in result.verdict
+
+
+def test_reported_cpu_seconds_give_busy_cores(quiet_machine):
+    result = cmp.compare(
+        {"one rank": sleeper(0.04, cpu_s=0.04), "two ranks": sleeper(0.02, 0.04)},
+        repeats=3,
+    )
+    one, two = result["one rank"], result["two ranks"]
+    assert one.busy_cores == pytest.approx(1.0, rel=0.5)
+    assert two.busy_cores == pytest.approx(2.0, rel=0.5)
+    assert "more busy cores" in result.verdict
+
+
+def test_a_function_that_timed_itself_is_taken_as_it_says(quiet_machine):
+    def timed():
+        return {"cpu_s": 0.3, "wall_s": 0.2}
+
+    result = cmp.compare({"self-timed": timed}, repeats=2, warmup=0)
+    run = result.options[0].runs[0]
+    assert (run.wall_s, run.cpu_s) == (0.2, 0.3)
+    assert result.outcome == "measured"
+
+
+def test_another_program_makes_the_verdict_disturbed(monkeypatch):
+    # the machine counts one more busy core-second per wall second than we use
+    monkeypatch.setattr(
+        cmp, "_machine_busy_s", lambda: 2.0 * time.perf_counter()
+    )
+    monkeypatch.setattr(cmp, "_load", lambda: 2.0)
+    result = cmp.compare({"slow": sleeper(0.03), "quick": sleeper(0.01)}, repeats=3)
+    assert result.outcome == "disturbed"
+    assert "another program used the cores - run again" in result.verdict
+    text = str(result)
+    assert "faster" not in text
+    # a disturbed timing is shown as a range, not a median
+    row = text.splitlines()[1]
+    assert row.split()[1] == "-"
+    assert result.options[0].others_cores > 1.0
+
+
+def test_a_few_disturbed_runs_are_set_aside(monkeypatch):
+    calls = {"n": 0}
+
+    def counter():
+        calls["n"] += 1
+        # the 3rd timed run (reads 5 and 6) sees another program's second
+        return 5.0 if calls["n"] >= 6 else 0.0
+
+    monkeypatch.setattr(cmp, "_machine_busy_s", counter)
+    monkeypatch.setattr(cmp, "_load", lambda: 0.0)
+    result = cmp.compare({"slow": sleeper(0.03), "quick": sleeper(0.01)}, repeats=5)
+    kept = [k for o in result.options for k in o.kept]
+    assert kept.count(False) == 1
+    assert result.outcome == "faster"
+
+
+def test_cpu_counted_twice_is_not_a_speed_up(quiet_machine):
+    result = cmp.compare(
+        {"base": sleeper(0.02), "double-counted": sleeper(0.01, cpu_s=1.0)},
+        repeats=3,
+    )
+    assert result.outcome == "disturbed"
+    assert "reported twice" in result.verdict
+
+
+def test_no_per_run_counters_trust_only_an_idle_start(monkeypatch):
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: None)
+    monkeypatch.setattr(cmp, "_load", lambda: 3.0)
+    result = cmp.compare({"a": sleeper(0.02), "b": sleeper(0.01)}, repeats=3)
+    assert result.outcome == "disturbed"
+
+
+def test_more_than_two_options_each_against_the_first(quiet_machine):
+    result = cmp.compare(
+        {"base": sleeper(0.03), "same": sleeper(0.03), "quick": sleeper(0.005)},
+        repeats=3,
+        tolerance=0.5,
+    )
+    assert result.outcomes == {"same": "same", "quick": "faster"}
+    assert len(result.verdict.splitlines()) == 2
+
+
+def test_real_cpu_work_is_counted_on_this_machine():
+    def spin():
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+
+    result = cmp.compare({"spin": spin}, repeats=2, warmup=0)
+    option = result.options[0]
+    assert option.cpu_s >= 0.05
+    assert 0.0 < option.busy_cores <= cmp.usable_cores() + 0.25
+    assert result.outcome in ("measured", "disturbed")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        cmp.compare({})
+    with pytest.raises(ValueError):
+        cmp.compare({"a": lambda: None}, repeats=0)
