@@ -1,0 +1,405 @@
+"""Checkers for Chapter 11 (context and expert parallelism).
+
+11.1 runs the learner's block-by-block attention on odd sequence lengths,
+causal and not, float32 and float64, large scores included, against PyTorch's
+attention, and watches every tensor it creates (a dispatch mode) so that a
+full ``S x S`` score matrix is caught. 11.2 checks a capacity-limited MoE
+dispatch plan against the checker's own rule on 2 and 3 ranks with skewed
+routing, then runs the real exchange (``all_to_all_single``, uneven splits) on
+3 ranks with the learner's plan and compares the layer with one process. 11.3
+runs a causal ring attention on 2 and 3 ranks, contiguous and zig-zag, and
+compares the scores each rank computed with the learner's prediction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from course_utils.exercises import call_learner, fail, passed, require_solution
+
+# ---------------------------------------------------------------- exercise 11.1
+
+
+class _Watch(TorchDispatchMode):
+    """Remembers the largest shape of any tensor an operator produced."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.big = limit, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (isinstance(t, torch.Tensor) and self.big is None
+                    and sum(1 for n in t.shape if n >= self.limit) >= 2):
+                self.big = (str(func).split(".")[1] if "." in str(func) else str(func),
+                            tuple(t.shape))
+        return out
+
+
+# (batch, heads, S, d, block, causal, dtype, scale of the inputs)
+ATTENTION_CASES = [
+    (1, 2, 37, 8, 8, False, torch.float64, 1.0),
+    (2, 3, 37, 8, 8, True, torch.float64, 1.0),
+    (1, 1, 50, 16, 7, True, torch.float32, 1.0),
+    (1, 2, 64, 16, 16, False, torch.float32, 1.0),
+    (2, 1, 45, 8, 10, True, torch.float64, 1.0),
+    (1, 2, 41, 16, 12, True, torch.float32, 8.0),  # scores of hundreds: exp overflows
+    (1, 1, 20, 8, 64, True, torch.float64, 1.0),  # one block holds every key
+]
+
+
+def _attention_hint(q, k, v, got, causal, block):
+    """Name the mistake from what the learner's result equals instead."""
+    if not torch.isfinite(got).all():
+        return ("your result has nan or inf: subtract each row's maximum before exp "
+                "(or merge with logaddexp), and let a row that sees no key of a "
+                "block contribute nothing instead of nan")
+    other = F.scaled_dot_product_attention(q, k, v, is_causal=not causal)
+    if torch.allclose(got.double(), other.double(), atol=1e-5):
+        return "use the causal argument: mask keys after the query only when causal"
+    unscaled = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+    if torch.allclose(got.double(), unscaled.double(), atol=1e-5):
+        return "scale the scores by 1 / sqrt(d), as attention does"
+    s = k.shape[2]
+    full = (s // block) * block
+    if 0 < full < s:
+        mask = None
+        if causal:
+            mask = torch.arange(s)[:, None] >= torch.arange(full)[None, :]
+        cut = F.scaled_dot_product_attention(q, k[:, :, :full], v[:, :, :full],
+                                             attn_mask=mask)
+        if torch.allclose(got.double(), cut.double(), atol=1e-5):
+            return (f"the last {s - full} keys are missing: when S is not a multiple "
+                    "of block, the last block is shorter")
+    if causal:
+        per_block = torch.zeros(s, s, dtype=torch.bool)
+        for start in range(0, s, block):
+            stop = min(start + block, s)
+            per_block[:, start:stop] = torch.ones(s, stop - start,
+                                                  dtype=torch.bool).tril(-start)
+        local = F.scaled_dot_product_attention(q, k, v, attn_mask=per_block)
+        if torch.allclose(got.double(), local.double(), atol=1e-5):
+            return ("the causal mask must compare positions in the whole sequence: "
+                    "key start + j is visible to query i when start + j <= i")
+    return ("merge each block's result with the log-sum-exp rule: new lse = "
+            "logaddexp(lse, lse_b), output = out * exp(lse - new) + out_b * "
+            "exp(lse_b - new)")
+
+
+def check_blockwise_attention(blockwise_attention) -> None:
+    """Exercise 11.1: ``blockwise_attention(q, k, v, block, causal)``."""
+    ex = "11.1"
+    require_solution(ex, blockwise_attention)
+    for i, (b, h, s, d, block, causal, dtype, scale) in enumerate(ATTENTION_CASES):
+        gen = torch.Generator().manual_seed(100 + i)
+        q, k, v = (scale * torch.randn(b, h, s, d, generator=gen, dtype=dtype)
+                   for _ in range(3))
+        copies = [t.clone() for t in (q, k, v)]
+        case = (f"shape {(b, h, s, d)}, block {block}, causal={causal}, "
+                f"{str(dtype).replace('torch.', '')}")
+        watch = _Watch(limit=s)
+        with watch:
+            got = call_learner(ex, blockwise_attention, q, k, v, block, causal)
+        if not isinstance(got, torch.Tensor):
+            fail(ex, "the attention output, one tensor", f"a {type(got).__name__}",
+                 "return only the output, shaped like q")
+        if any(not torch.equal(a, c) for a, c in zip((q, k, v), copies, strict=True)):
+            fail(ex, "q, k and v left unchanged", f"an input modified ({case})",
+                 "work on new tensors: in-place operations on q, k or v change the "
+                 "caller's data")
+        if tuple(got.shape) != (b, h, s, d):
+            fail(ex, f"an output of shape {(b, h, s, d)} ({case})",
+                 f"shape {tuple(got.shape)}", "one output row per query, like q")
+        if block < s and watch.big is not None:
+            op, shape = watch.big
+            fail(ex, f"no tensor with two dimensions of {s} or more ({case})",
+                 f"{op} made a tensor of shape {shape}",
+                 "compute the scores of one block of keys at a time: "
+                 "(S x block), never (S x S), not even for a mask")
+        want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                              is_causal=causal)
+        if got.dtype != dtype:
+            fail(ex, f"an output of dtype {dtype} ({case})", f"{got.dtype}",
+                 "keep the inputs' dtype: no float32-only or float64-only code")
+        tol = 1e-10 if dtype == torch.float64 else 2e-5
+        diff = (got.double() - want).abs().nan_to_num(float("inf")).max().item()
+        if diff > tol * max(1.0, want.abs().max().item()):
+            fail(ex, f"attention equal to scaled_dot_product_attention ({case})",
+                 f"a largest difference of {diff:.3g}",
+                 _attention_hint(q.double(), k.double(), v.double(), got, causal,
+                                 block))
+    passed(ex, f"{len(ATTENTION_CASES)} cases, causal and not, odd lengths, float32 "
+               "and float64: exact, and never an S x S matrix.")
+
+
+# ---------------------------------------------------------------- exercise 11.2
+
+# (tokens, k, experts, ranks, capacity, seed)
+DISPATCH_CASES = [(13, 2, 4, 2, 4, 0), (17, 2, 6, 3, 3, 1), (10, 1, 3, 3, 4, 2),
+                  (9, 3, 6, 2, 3, 3), (8, 2, 6, 3, 16, 4), (21, 2, 6, 3, 5, 5)]
+
+
+def skewed_choices(tokens: int, k: int, experts: int, seed: int) -> torch.Tensor:
+    """(tokens, k) distinct experts per token, low-numbered experts preferred."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.arange(experts, 0, -1, dtype=torch.float64) ** 2
+    return torch.stack([torch.multinomial(weights, k, generator=gen)
+                        for _ in range(tokens)])
+
+
+def kept_assignments(expert_idx: torch.Tensor, experts: int, capacity: int,
+                     by_choice: bool = True) -> list[int]:
+    """Assignment numbers t * k + j an expert accepts, at most capacity each."""
+    t, k = expert_idx.shape
+    order = ([(j, i) for j in range(k) for i in range(t)] if by_choice
+             else [(j, i) for i in range(t) for j in range(k)])
+    taken, kept = [0] * experts, []
+    for j, i in order:
+        e = int(expert_idx[i, j])
+        if taken[e] < capacity:
+            taken[e] += 1
+            kept.append(i * k + j)
+    return sorted(kept)
+
+
+def _as_plan(ex, got, n_assign, world_size, case):
+    try:
+        order, counts = got
+        order = torch.as_tensor(order)
+        counts = [int(c) for c in torch.as_tensor(counts).flatten().tolist()]
+    except (TypeError, ValueError, RuntimeError):
+        fail(ex, "(order, send_counts)", f"{got!r:.80}",
+             "return a tensor of assignment numbers and a list of counts per rank")
+    if order.dim() != 1 or order.is_floating_point() or order.is_complex():
+        fail(ex, f"order as a 1-D tensor of whole numbers ({case})",
+             f"dtype {order.dtype}, shape {tuple(order.shape)}",
+             "order lists assignment numbers t * k + j, one dimension")
+    order = order.long()
+    if len(counts) != world_size:
+        fail(ex, f"{world_size} send counts, one per rank ({case})", f"{len(counts)}",
+             "one count per destination rank, even for 3 ranks")
+    if len(order) and (order.min() < 0 or order.max() >= n_assign):
+        fail(ex, f"assignment numbers in 0..{n_assign - 1} ({case})",
+             f"{order.min().item()}..{order.max().item()}",
+             "number assignment (t, j) as t * k + j")
+    if len(set(order.tolist())) != len(order):
+        fail(ex, f"each kept assignment once ({case})", "a repeated number",
+             "an assignment goes to its expert once")
+    if any(c < 0 for c in counts) or sum(counts) != len(order):
+        fail(ex, f"send_counts adding up to len(order) = {len(order)} ({case})",
+             f"{counts}", "send_counts[r] is how many entries of order go to rank r")
+    return order, counts
+
+
+def check_plan_dispatch(plan_dispatch) -> None:
+    """Exercise 11.2: ``plan_dispatch(expert_idx, n_experts, world_size, capacity)``."""
+    ex = "11.2"
+    require_solution(ex, plan_dispatch)
+    for tokens, k, experts, world_size, capacity, seed in DISPATCH_CASES:
+        idx = skewed_choices(tokens, k, experts, seed)
+        case = (f"{tokens} tokens, top-{k}, {experts} experts on {world_size} ranks, "
+                f"capacity {capacity}")
+        got = call_learner(ex, plan_dispatch, idx.clone(), experts, world_size,
+                           capacity)
+        order, counts = _as_plan(ex, got, tokens * k, world_size, case)
+        want = kept_assignments(idx, experts, capacity)
+        mine = sorted(order.tolist())
+        if mine != want:
+            load = torch.bincount(idx.flatten()[order], minlength=experts)
+            if load.max() > capacity:
+                hint = (f"expert {int(load.argmax())} got {int(load.max())} "
+                        f"assignments: drop those beyond the capacity")
+            elif mine == kept_assignments(idx, experts, capacity, by_choice=False):
+                hint = ("all first choices come before any second choice; token "
+                        "order only breaks ties within a choice")
+            elif mine == kept_assignments(idx, experts, capacity - 1):
+                hint = "an expert accepts capacity assignments, not capacity - 1"
+            else:
+                hint = ("keep, per expert, the first capacity assignments in "
+                        "priority order: choice j first, then token t")
+            fail(ex, f"the {len(want)} assignments that fit ({case})",
+                 f"{len(mine)} kept, {len(set(mine) ^ set(want))} differ", hint)
+        per_rank = experts // world_size
+        dest = idx.flatten()[order] // per_rank
+        start = 0
+        for r, c in enumerate(counts):
+            if not bool((dest[start:start + c] == r).all()):
+                fail(ex, f"order grouped by destination rank, rank 0 first ({case})",
+                     f"entries {start}..{start + c - 1} (rank {r}'s) go to ranks "
+                     f"{sorted(set(dest[start:start + c].tolist()))}",
+                     f"expert e lives on rank e // {per_rank}: sort the kept "
+                     "assignments by it and count each rank")
+            start += c
+    _real_exchange(ex, plan_dispatch)
+    passed(ex, f"{len(DISPATCH_CASES)} skewed routings on 2 and 3 ranks; the real "
+               "all-to-all on 3 ranks equals one process.")
+
+
+WIDTH = 8
+
+
+def _experts(n: int) -> list[torch.nn.Linear]:
+    torch.manual_seed(11)
+    return [torch.nn.Linear(WIDTH, WIDTH) for _ in range(n)]
+
+
+def _exchange_rank(rank, world_size, plans, x_all, idx_all, gate_all, experts):
+    """The real dispatch and combine, with this rank's plan (order, counts)."""
+    import torch.distributed as dist
+
+    x, idx = x_all.chunk(world_size)[rank], idx_all.chunk(world_size)[rank]
+    gate, (order, send) = gate_all.chunk(world_size)[rank], plans[rank]
+    send_counts = torch.tensor(send)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)  # the counts first
+    recv = recv_counts.tolist()
+    k = idx.shape[1]
+    x_recv = torch.empty(sum(recv), WIDTH)
+    dist.all_to_all_single(x_recv, x[order // k].contiguous(), recv, send)
+    e_recv = torch.empty(sum(recv), dtype=torch.long)
+    dist.all_to_all_single(e_recv, idx.flatten()[order].contiguous(), recv, send)
+    layers = _experts(experts)
+    y_recv = torch.zeros_like(x_recv)
+    with torch.no_grad():
+        for e in set(e_recv.tolist()):
+            rows = e_recv == e
+            y_recv[rows] = layers[e](x_recv[rows])
+    y_back = torch.empty(len(order), WIDTH)
+    dist.all_to_all_single(y_back, y_recv, send, recv)  # the splits swapped
+    return torch.zeros_like(x).index_add(0, order // k,
+                                         y_back * gate.flatten()[order, None])
+
+
+def _real_exchange(ex, plan_dispatch) -> None:
+    from course_utils.dist import LaunchTimeout, RankFailed, launch
+
+    tokens, k, experts, world_size, capacity = 24, 2, 6, 3, 3
+    idx = skewed_choices(tokens, k, experts, seed=9)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, WIDTH, generator=gen)
+    gate = torch.rand(tokens, k, generator=gen)
+    layers = _experts(experts)
+    want, plans = torch.zeros_like(x), []
+    for rank, rows in enumerate(torch.arange(tokens).chunk(world_size)):
+        got = call_learner(ex, plan_dispatch, idx[rows].clone(), experts, world_size,
+                           capacity)
+        plans.append(_as_plan(ex, got, len(rows) * k, world_size,
+                              f"rank {rank} of {world_size}"))
+        for a in kept_assignments(idx[rows], experts, capacity):  # one process
+            t, j = divmod(a, k)
+            token = int(rows[t])
+            with torch.no_grad():
+                want[token] += gate[token, j] * layers[int(idx[token, j])](x[token])
+    try:
+        results = launch(_exchange_rank, world_size,
+                         args=(plans, x, idx, gate, experts), timeout=60,
+                         echo=False, backend="gloo")
+    except (RankFailed, LaunchTimeout) as e:
+        fail(ex, "the real exchange on 3 ranks to run", str(e).splitlines()[0],
+             "order and send_counts must agree: send_counts[r] entries for rank r")
+    got = torch.cat([r.value for r in results])
+    if not torch.allclose(got, want, atol=1e-5):
+        fail(ex, "the expert-parallel layer equal to one process (3 ranks)",
+             f"a largest difference of {(got - want).abs().max().item():.3g}",
+             "order and send_counts must describe the same kept assignments")
+
+
+# ---------------------------------------------------------------- exercise 11.3
+
+_MEASURED: dict[tuple[int, int], dict[str, list[int]]] = {}
+
+
+def _layouts(n: int) -> dict[str, list[list[int]]]:
+    return {"contiguous": [[r] for r in range(n)],
+            "zigzag": [[r, 2 * n - 1 - r] for r in range(n)]}
+
+
+def _ring_rank(rank, world_size, seq_len):
+    """Causal ring attention on tiny tensors: the scores each layout computes."""
+    import torch.distributed as dist
+
+    counts = {}
+    for name, chunks in _layouts(world_size).items():
+        torch.manual_seed(0)
+        k = torch.randn(1, 1, seq_len, 4).chunk(sum(map(len, chunks)), dim=2)
+        q_l = k_l = torch.cat([k[i] for i in chunks[rank]], 2)
+        c, scores = k[0].shape[2], 0
+        for step in range(world_size):
+            src = (rank - step) % world_size
+            if step < world_size - 1:
+                nxt = torch.empty_like(k_l)
+                reqs = dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, k_l, (rank + 1) % world_size),
+                    dist.P2POp(dist.irecv, nxt, (rank - 1) % world_size)])
+            for i, qc in enumerate(chunks[rank]):
+                for j, kc in enumerate(chunks[src]):
+                    if kc <= qc:
+                        rows = q_l[:, :, i * c:(i + 1) * c]
+                        scores += (rows @ k_l[:, :, j * c:(j + 1) * c].mT).numel()
+            if step < world_size - 1:
+                for r in reqs:
+                    r.wait()
+                k_l = nxt
+        counts[name] = scores
+    return counts
+
+
+def measured_scores(world_size: int, seq_len: int) -> dict[str, list[int]]:
+    """Scores per rank of the real causal ring, both layouts (run once, cached)."""
+    from course_utils.dist import launch
+
+    key = (world_size, seq_len)
+    if key not in _MEASURED:
+        results = launch(_ring_rank, world_size, args=(seq_len,), timeout=60,
+                         echo=False, backend="gloo")
+        _MEASURED[key] = {name: [r.value[name] for r in results]
+                          for name in ("contiguous", "zigzag")}
+    return _MEASURED[key]
+
+
+SCORE_CASES = [(2, 24), (3, 36)]
+
+
+def check_predict_scores(predict_scores) -> None:
+    """Exercise 11.3: ``predict_scores(seq_len, world_size, layout)``."""
+    ex = "11.3"
+    require_solution(ex, predict_scores)
+    for world_size, seq_len in SCORE_CASES:
+        measured = measured_scores(world_size, seq_len)
+        for layout, want in measured.items():
+            case = f"S = {seq_len}, {world_size} ranks, {layout}"
+            got = call_learner(ex, predict_scores, seq_len, world_size, layout)
+            try:
+                got = [float(g) for g in got]
+            except (TypeError, ValueError):
+                fail(ex, f"a list of {world_size} numbers ({case})", f"{got!r:.80}",
+                     "one number of scores per rank")
+            if len(got) != world_size:
+                fail(ex, f"{world_size} numbers, one per rank ({case})",
+                     f"{len(got)}", "one number per rank, for any number of ranks")
+            if all(math.isclose(g, w) for g, w in zip(got, want, strict=True)):
+                continue
+            c = seq_len // world_size
+            if layout == "contiguous" and all(
+                    math.isclose(g, (r + 0.5) * c * c) for r, g in enumerate(got)):
+                hint = ("the diagonal block is computed whole (its masked half "
+                        "too): rank r computes r + 1 full blocks")
+            elif all(g > 0 for g in got) and len({round(w / g, 6) for g, w in
+                                                  zip(got, want, strict=True)}) == 1:
+                hint = ("the shape is right but not the unit: count query-key "
+                        "scores, a block of c queries and c keys being c * c")
+            elif layout == "zigzag":
+                hint = ("in the zig-zag layout each rank holds 2 chunks of "
+                        "S / (2N): count the chunk pairs it computes")
+            else:
+                hint = ("rank r holds chunk r of S / N queries and computes the "
+                        "blocks of keys at or before it")
+            fail(ex, f"scores per rank {want} as measured ({case})",
+                 f"{[int(g) if g.is_integer() else g for g in got]}", hint)
+    passed(ex, "your prediction matches the real ring on 2 and 3 ranks, both "
+               "layouts.")
