@@ -162,3 +162,41 @@ def ring_allreduce_seconds(nbytes: float, n: int, link: str = "nvlink_h100",
         f"{nbytes:.3g} bytes, {bw / 1e9:.4g} GB/s each way, no per-step latency",
         [key],
     )
+
+
+# link name -> published id of its one-direction bandwidth (Chapter 10)
+_TP_LINKS = {"ndr_infiniband": "ndr_infiniband.bandwidth_per_direction_gbps"}
+
+
+def tp_layer_comm_seconds(tokens: int, hidden: int, tp: int,
+                          link: str = "nvlink_h100", dtype_bytes: int = 2,
+                          collectives: int = 4) -> reference.Figure:
+    """One transformer layer's tensor-parallel collectives per step (Chapter 10).
+
+    Megatron's layer (Q, K, V fused) all-reduces its ``(tokens, hidden)``
+    activation ``collectives`` = 4 times per training step (2 forward, 2
+    backward); with sequence parallelism each becomes a reduce-scatter and an
+    all-gather, the same bytes. Each costs the ring's bandwidth term,
+    ``2 (tp - 1) / tp x bytes / bandwidth`` of the ring's slowest link:
+    ``nvlink_h100`` inside an 8-GPU node (NVSwitch gives every GPU its full
+    NVLink bandwidth), ``ndr_infiniband`` once the ring leaves the node (each
+    GPU's one 400 Gb/s port). No latency, no overlap with compute.
+    """
+    if tp < 2:
+        raise ValueError(f"tp must be at least 2, not {tp}")
+    if link in _TP_LINKS:
+        key = _TP_LINKS[link]
+        e = _entry(key)
+        assert e["unit"] == "GB/s", e
+        bw = float(e["value"]) * 1e9
+    else:
+        bw, key = link_bandwidth(link), LINKS[link][0]
+    nbytes = tokens * hidden * dtype_bytes
+    t = collectives * 2 * (tp - 1) / tp * nbytes / bw
+    return reference.predicted(
+        t, "s", f"{tp} GPUs over {link.replace('_', ' ')}",
+        f"{collectives} ring all-reduces of a ({tokens}, {hidden}) activation, "
+        f"{dtype_bytes} bytes each: {collectives} x 2(t-1)/t x bytes / link "
+        f"bandwidth ({bw / 1e9:.4g} GB/s each way), t={tp}, no latency, no overlap",
+        [key],
+    )
