@@ -1,0 +1,601 @@
+"""Checkers for Chapter 12 (profiling and fault tolerance).
+
+12.1 runs the learner's overlap measure on hand-made traces whose answers are
+known (two all-reduce threads at once, nested spans, several ranks, decoy
+names and event kinds) and on the chapter's real merged trace. 12.2 runs the
+learner's matcher on generated flight-recorder dumps - 2 to 4 ranks, skipped,
+swapped, resized and extra collectives, ring buffers that wrapped at
+different places, point-to-point entries on some ranks - and on the chapter's
+real dumps. 12.3 runs the learner's checkpoint functions twice: first in two
+ranks that "crash" twice in the same processes (every restored state is
+compared with what was saved), then under torchrun's agent with a rank that
+really dies at a random step, and compares the final weights with an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+from course_utils.exercises import call_learner, fail, passed, require_solution
+
+# ---------------------------------------------------------------- exercise 12.1
+
+
+def _union(intervals):
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _overlap(a, b) -> float:
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+
+
+def _spans_by_rank(events, name, exact=True, complete_only=True, by_rank=True):
+    out: dict[int, list] = {}
+    for e in events:
+        if complete_only and e.get("ph") != "X":
+            continue
+        if "ts" not in e or "dur" not in e:
+            continue
+        n = e.get("name", "")
+        if (n != name) if exact else (name not in n):
+            continue
+        rank = e.get("pid", 0) if by_rank else 0
+        start = float(e["ts"])
+        out.setdefault(rank, []).append((start, start + float(e["dur"])))
+    return out
+
+
+def hidden_reference(events, comm, compute, union_comm=True, union_compute=True,
+                     exact=True, complete_only=True, by_rank=True,
+                     per_compute=False) -> float:
+    """The fraction asked for; the keyword switches give typical mistakes."""
+    talk = _spans_by_rank(events, comm, exact, complete_only, by_rank)
+    work = _spans_by_rank(events, compute, exact, complete_only, by_rank)
+    total = hidden = work_total = 0.0
+    for rank, spans in talk.items():
+        t = _union(spans) if union_comm else spans
+        w = work.get(rank, [])
+        w = _union(w) if union_compute else w
+        total += sum(e - s for s, e in t)
+        hidden += _overlap(t, w)
+        work_total += sum(e - s for s, e in w)
+    if per_compute:
+        return hidden / work_total if work_total else 0.0
+    return hidden / total if total else 0.0
+
+
+def _x(rank, name, start, dur, tid=1):
+    return {"ph": "X", "name": name, "pid": rank, "tid": tid, "ts": start, "dur": dur,
+            "cat": "user_annotation"}
+
+
+def _trace_cases():
+    """(what, events, comm, compute, hint) with answers known by construction."""
+    ar, bw = "gloo:all_reduce", "backward"
+    base = 4_739_021_172_110.117  # real traces have large time stamps
+    cases = [
+        ("half of one all-reduce under the backward",
+         [_x(0, bw, base, 100), _x(0, ar, base + 50, 100, 7)], ar, bw,
+         "count the part of each all-reduce that lies inside a backward span"),
+        ("two all-reduces at once on gloo's two threads",
+         [_x(0, bw, base, 50), _x(0, ar, base + 10, 50, 7),
+          _x(0, ar, base + 30, 50, 8)], ar, bw,
+         "two all-reduces can run at once (gloo has two threads): count the time "
+         "during which at least one runs - their union - not the sum of durations"),
+        ("a backward span nested in another one",
+         [_x(0, bw, base, 100), _x(0, bw, base + 20, 40), _x(0, ar, base + 10, 40, 7)],
+         ar, bw, "backward spans may overlap (nested record_function): take their "
+         "union too, so no moment is counted twice"),
+        ("two ranks; rank 1's all-reduce runs during rank 0's backward only",
+         [_x(0, bw, base, 100), _x(0, ar, base + 20, 20, 7),
+          _x(1, bw, base, 30), _x(1, ar, base + 50, 40, 9)], ar, bw,
+         "compare each all-reduce with the backward of its own rank (pid): rank "
+         "0's backward does not hide rank 1's communication"),
+        ("the launch op c10d::allreduce_ and an instant event named like the "
+         "all-reduce",
+         [_x(0, bw, base, 100), _x(0, "c10d::allreduce_", base + 10, 5),
+          {"ph": "i", "name": ar, "pid": 0, "tid": 7, "ts": base + 20, "s": "t"},
+          {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7,
+           "args": {"name": "gloo"}},
+          _x(0, ar, base + 90, 30, 7), _x(0, "gloo:all_reduce_coalesced", base, 5)],
+         ar, bw, "use only complete events ('ph' == 'X') whose name is exactly "
+         "`comm`; c10d::allreduce_ is the launch, not the communication"),
+        ("no communication at all", [_x(0, bw, base, 100), _x(1, bw, base, 80)],
+         ar, bw, "return 0.0 when there is no communication"),
+        ("every all-reduce inside the backward, three ranks, two steps",
+         [_x(r, bw, base + s * 1000, 300) for r in range(3) for s in range(2)]
+         + [_x(r, ar, base + s * 1000 + 50 + 10 * r, 100, 5) for r in range(3)
+            for s in range(2)], ar, bw, "all communication here is hidden: 1.0"),
+        ("other names (a GPU trace): comm and compute are parameters",
+         [_x(0, "Backward 0", base, 60), _x(0, "ncclDevKernel_AllReduce", base + 40,
+                                            60, 3),
+          _x(0, bw, base + 60, 100), _x(0, ar, base + 60, 40, 7)],
+         "ncclDevKernel_AllReduce", "Backward 0",
+         "use the names passed as `comm` and `compute`, not fixed ones"),
+        ("communication mostly after the backward (the optimizer waits)",
+         [_x(0, bw, base, 200), _x(0, ar, base + 150, 200, 7),
+          _x(1, bw, base + 5, 100), _x(1, ar, base + 50, 300, 7)], ar, bw,
+         "divide the hidden time by the communication time, not by the backward's"),
+    ]
+    rng = random.Random(12)
+    for n_ranks in (2, 3):
+        events = []
+        for r in range(n_ranks):
+            t = base + rng.uniform(0, 50)
+            for _ in range(3):
+                length = rng.uniform(100, 300)
+                events.append(_x(r, bw, t, length))
+                for tid in (7, 8):
+                    s = t + rng.uniform(0, length + 50)
+                    events.append(_x(r, ar, s, rng.uniform(5, 80), tid))
+                t += length + rng.uniform(20, 120)
+        rng.shuffle(events)
+        cases.append((f"random spans on {n_ranks} ranks, events in no order", events,
+                      ar, bw, "sort the spans of each rank before merging them"))
+    return cases
+
+
+MISTAKES_12_1 = [
+    ({"union_comm": False}, "two all-reduces can run at once (gloo has two "
+     "threads): count the time during which at least one runs, not the sum of "
+     "their durations"),
+    ({"union_compute": False}, "overlapping backward spans count once: take the "
+     "union of the compute spans too"),
+    ({"by_rank": False}, "compare each rank's communication with its own "
+     "backward (events of the same pid), not with any rank's"),
+    ({"exact": False}, "match names exactly: `gloo:all_reduce_coalesced` or "
+     "`c10d::allreduce_` are other events"),
+    ({"complete_only": False}, "only complete events ('ph' == 'X') have a "
+     "duration"),
+    ({"per_compute": True}, "divide by the communication time, not by the "
+     "compute time"),
+]
+
+
+def _close(a, b) -> bool:
+    return abs(a - b) <= 1e-9 + 1e-6 * abs(b)
+
+
+def _comm_name(events) -> str:
+    names = {e.get("name") for e in events if e.get("ph") == "X"}
+    for name in ("gloo:all_reduce", "nccl:all_reduce"):
+        if name in names:
+            return name
+    return "gloo:all_reduce"
+
+
+def check_hidden_fraction(hidden_fraction, real_events=None) -> None:
+    """Exercise 12.1: the hidden share of communication time, from a merged trace."""
+    ex = "12.1"
+    require_solution(ex, hidden_fraction)
+    cases = _trace_cases()
+    if real_events:
+        comm = _comm_name(real_events)
+        cases.append(("the chapter's real merged trace", list(real_events), comm,
+                      "backward", "check it on the real trace: per rank, union of "
+                      "the comm spans, overlap with the union of the backward spans"))
+    for what, events, comm, compute, hint in cases:
+        copy = [dict(e) for e in events]
+        seen = call_learner(ex, hidden_fraction, copy, comm=comm, compute=compute)
+        want = hidden_reference(events, comm, compute)
+        try:
+            value = float(seen)
+        except (TypeError, ValueError):
+            fail(ex, "a number between 0 and 1", f"{type(seen).__name__} {seen!r:.60}")
+        if value != value or not 0.0 <= value <= 1.0 + 1e-9:
+            fail(ex, f"a fraction between 0 and 1 ({what})", f"{value:.4g}",
+                 next((h for kw, h in MISTAKES_12_1 if _close(
+                     value, hidden_reference(events, comm, compute, **kw))), hint))
+        if not _close(value, want):
+            mistake = next((h for kw, h in MISTAKES_12_1 if not _close(
+                hidden_reference(events, comm, compute, **kw), want) and _close(
+                value, hidden_reference(events, comm, compute, **kw))), hint)
+            fail(ex, f"{want:.4f} ({what})", f"{value:.4f}", mistake)
+    passed(ex, f"{len(cases)} traces, including the chapter's own: the hidden share "
+               "of communication, per rank, without double counting.")
+
+
+# ---------------------------------------------------------------- exercise 12.2
+
+OPS = ["gloo:all_reduce", "gloo:broadcast", "gloo:allgather", "gloo:reduce_scatter",
+       "gloo:barrier"]
+
+
+def _entry(record_id, seq, p2p_seq, name, sizes, is_p2p=False):
+    return {"record_id": record_id, "collective_seq_id": seq, "p2p_seq_id": p2p_seq,
+            "profiling_name": name, "input_sizes": sizes, "output_sizes": sizes,
+            "is_p2p": is_p2p, "state": "scheduled", "frames": [],
+            "process_group": ("0", "default_pg"), "timeout_ms": 2000, "retired": False}
+
+
+def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
+               buffer: int | None = None, p2p_ranks=()) -> dict[int, list[dict]]:
+    """Flight-recorder entries per rank for a generated program with one bug.
+
+    ``kind``: "none" (all agree), "skip" (a rank skips collective ``where``),
+    "swap" (a rank runs another operation there), "resize" (same operation,
+    other sizes), "extra" (a rank runs one collective more at the end).
+    ``buffer`` keeps the last entries only, like the ring buffer; ``p2p_ranks``
+    get point-to-point entries between their collectives.
+    """
+    rng = random.Random(seed)
+    n = rng.randint(6, 12)
+    program = [(rng.choice(OPS), [[rng.randint(1, 64)]]) for _ in range(n)]
+    where = rng.randint(1, n - 2) if where is None else where
+    bad = rng.randrange(world)
+    dumps = {}
+    for r in range(world):
+        ops = list(program)
+        if r == bad:
+            if kind == "skip":
+                ops.pop(where)
+            elif kind == "swap":
+                name = next(o for o in OPS if o != ops[where][0])
+                ops[where] = (name, ops[where][1])
+            elif kind == "resize":
+                ops[where] = (ops[where][0], [[ops[where][1][0][0] + 1]])
+            elif kind == "extra":
+                ops.append(("gloo:all_reduce", [[3]]))
+        entries, record, p2p = [], 0, 0
+        for i, (name, sizes) in enumerate(ops, start=1):
+            if r in p2p_ranks and i % 2 == 0:
+                p2p += 1
+                entries.append(_entry(record, i - 1, p2p, "gloo:send" if r % 2 else
+                                      "gloo:recv", [[8]], is_p2p=True))
+                record += 1
+            entries.append(_entry(record, i, p2p, name, sizes))
+            record += 1
+        dumps[r] = entries[-buffer:] if buffer else entries
+    return dumps
+
+
+def mismatch_reference(dumps):
+    by_rank = {r: {e["collective_seq_id"]: e for e in entries if not e.get("is_p2p")}
+               for r, entries in dumps.items()}
+    held = [set(d) for d in by_rank.values() if d]
+    if not held:
+        return None
+    first, last = max(min(s) for s in held), max(max(s) for s in held)
+    for seq in range(first, last + 1):
+        entries = {r: d.get(seq) for r, d in by_rank.items()}
+        keys = {None if e is None else (e["profiling_name"], str(e["input_sizes"]))
+                for e in entries.values()}
+        if len(keys) > 1 or None in keys:
+            return seq, entries
+    return None
+
+
+def _dump_cases(real):
+    cases = [
+        ("2 ranks, rank skips one collective", make_dumps(1, 2, "skip"),
+         "compare entries by their collective_seq_id"),
+        ("3 ranks, one runs another operation", make_dumps(2, 3, "swap"),
+         "compare every rank, not only ranks 0 and 1"),
+        ("4 ranks, same operation with other sizes", make_dumps(3, 4, "resize"),
+         "ranks also disagree when the input sizes differ"),
+        ("2 ranks, one runs one collective more than the other",
+         make_dumps(4, 2, "extra"), "a number that one rank has and another "
+         "lacks is a mismatch (the other rank never joined it)"),
+        ("3 ranks that agree", make_dumps(5, 3, "none"),
+         "return None when every rank agrees"),
+        ("3 ranks whose ring buffers wrapped at different places",
+         make_dumps(6, 3, "swap", where=8, buffer=5),
+         "compare from the first sequence number that every rank still holds: "
+         "older numbers were overwritten in some ring buffers"),
+        ("2 ranks, point-to-point entries on rank 0 only",
+         make_dumps(7, 2, "none", p2p_ranks=(0,)),
+         "skip point-to-point entries (is_p2p): they have no collective of "
+         "their own"),
+        ("3 ranks, p2p entries and a skipped collective",
+         make_dumps(8, 3, "skip", p2p_ranks=(0, 1)),
+         "skip point-to-point entries (is_p2p) and compare by sequence number"),
+        ("2 ranks that agree, ring buffers wrapped", make_dumps(9, 2, "none",
+                                                                buffer=4),
+         "with wrapped buffers, compare only numbers every rank still holds"),
+        ("4 ranks, the first collective differs", make_dumps(10, 4, "swap", where=0),
+         "the very first collective can be the bad one"),
+    ]
+    if real:
+        cases.append(("the chapter's real dumps", real,
+                      "check it on Section 3's dumps"))
+    return cases
+
+
+def check_first_mismatch(first_mismatch, real_dumps=None) -> None:
+    """Exercise 12.2: the first collective on which the ranks' dumps disagree."""
+    ex = "12.2"
+    require_solution(ex, first_mismatch)
+    cases = _dump_cases(real_dumps)
+    for what, dumps, hint in cases:
+        given = {r: [dict(e) for e in entries] for r, entries in dumps.items()}
+        seen = call_learner(ex, first_mismatch, given)
+        want = mismatch_reference(dumps)
+        if want is None:
+            if seen is not None:
+                fail(ex, f"None ({what})", f"{seen!r:.100}", hint)
+            continue
+        seq, entries = want
+        if seen is None:
+            fail(ex, f"a mismatch at sequence number {seq} ({what})", "None", hint)
+        try:
+            got_seq, got_entries = seen
+            got_seq = int(got_seq)
+            dict(got_entries)
+        except (TypeError, ValueError):
+            fail(ex, "(seq, {rank: entry or None})", f"{seen!r:.100}")
+        if got_seq != seq:
+            fail(ex, f"sequence number {seq} ({what})", f"{got_seq}", hint)
+        if set(got_entries) != set(entries):
+            fail(ex, f"an entry (or None) for every rank {sorted(entries)} ({what})",
+                 f"ranks {sorted(got_entries)}", "map every rank, also those that "
+                 "agree, to its entry with that number")
+        for r, e in entries.items():
+            g = got_entries[r]
+            same = (g is None and e is None) or (
+                isinstance(g, dict) and e is not None
+                and g.get("record_id") == e["record_id"])
+            if not same:
+                fail(ex, f"rank {r}'s entry with sequence number {seq} ({what})",
+                     f"{g!r:.100}", "give the entry itself, or None when the rank "
+                     "has no entry with that number")
+    passed(ex, f"{len(cases)} sets of dumps, 2 to 4 ranks, wrapped buffers and p2p "
+               "entries: the first mismatch found every time.")
+
+
+# ---------------------------------------------------------------- exercise 12.3
+
+STEPS, EVERY = 14, 3
+
+
+def _build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 1))
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def _train_step(model, optimizer, scheduler, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 8, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def _weights(model):
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+def _snapshot(model, optimizer, scheduler):
+    moments = []
+    for p in model.parameters():
+        st = optimizer.state.get(p, {})
+        moments.append({k: (v.clone() if torch.is_tensor(v) else v)
+                        for k, v in st.items()})
+    return {"weights": _weights(model), "moments": moments,
+            "last_epoch": scheduler.last_epoch, "lr": optimizer.param_groups[0]["lr"]}
+
+
+def _moments_equal(a, b) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key not in x or key not in y:
+                return False
+            if not torch.equal(torch.as_tensor(x[key]).float(),
+                               torch.as_tensor(y[key]).float()):
+                return False
+    return True
+
+
+def _compare(restored, saved):
+    """What differs between a restored state and the snapshot taken at a save."""
+    if not torch.equal(restored["weights"], saved["weights"]):
+        return "weights"
+    if not _moments_equal(restored["moments"], saved["moments"]):
+        return "moments"
+    if restored["last_epoch"] != saved["last_epoch"] or restored["lr"] != saved["lr"]:
+        return "scheduler"
+    return None
+
+
+def _quick_stage(rank, world_size, save, load, ckpt_dir, crashes):
+    """Every attempt in the same process: train, 'crash', rebuild, load, compare."""
+    torch.set_num_threads(1)
+    model, optimizer, scheduler = _build()
+    for step in range(STEPS):
+        _train_step(model, optimizer, scheduler, step, rank)
+    reference = _weights(model)
+    fresh = _weights(_build()[0])
+    saved, report, start = {}, [], 0
+    for attempt, crash_at in enumerate([*crashes, None]):
+        model, optimizer, scheduler = _build()
+        got = load(ckpt_dir, model, optimizer, scheduler)
+        restored = _snapshot(model, optimizer, scheduler)
+        latest = max(saved, default=0)
+        try:
+            got = int(got)
+        except (TypeError, ValueError):
+            report.append(("type", attempt, repr(got)[:60], latest, None))
+            return {"report": report}
+        problem = None
+        if got != latest:
+            problem = "step"
+        elif latest:
+            problem = _compare(restored, saved[latest])
+        elif not torch.equal(restored["weights"], fresh):
+            problem = "fresh"
+        report.append((problem, attempt, got, latest, sorted(saved)))
+        if problem:
+            return {"report": report}
+        start = got
+        for step in range(start, STEPS):
+            _train_step(model, optimizer, scheduler, step, rank)
+            if (step + 1) % EVERY == 0:
+                save(ckpt_dir, step + 1, model, optimizer, scheduler)
+                saved[step + 1] = _snapshot(model, optimizer, scheduler)
+            if crash_at is not None and step == crash_at:
+                break
+    return {"report": report, "reference": reference, "final": _weights(model)}
+
+
+def _elastic_worker(ckpt_dir, crash_at, crash_rank, save, load):
+    torch.set_num_threads(1)
+    dist = torch.distributed
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    model, optimizer, scheduler = _build()
+    start = int(load(ckpt_dir, model, optimizer, scheduler))
+    for step in range(start, STEPS):
+        _train_step(model, optimizer, scheduler, step, rank)
+        if (step + 1) % EVERY == 0:
+            save(ckpt_dir, step + 1, model, optimizer, scheduler)
+        if step == crash_at and attempt == 0 and rank == crash_rank:
+            os._exit(1)
+    weights = _weights(model)
+    dist.destroy_process_group()
+    return {"attempt": attempt, "start": start, "weights": weights}
+
+
+def _elastic_agent(_rank, _world_size, args):
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from course_utils.dist import free_port
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # pytorch/pytorch#135712
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=1,
+                          run_id="ch12-check", rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                          monitor_interval=0.1, start_method="fork")
+    return elastic_launch(config, _elastic_worker)(*args)
+
+
+HINTS_12_3 = {
+    "weights": "the model's weights were not those saved: load them into the model "
+               "(dcp.load fills the state dict in place; then load_state_dict or "
+               "set_state_dict)",
+    "moments": "Adam's moments (exp_avg, exp_avg_sq) and step count were not "
+               "restored: save and load the optimizer's state too - "
+               "get_state_dict(model, optimizer) gives one dcp can load in place",
+    "scheduler": "the learning-rate scheduler was not restored: save "
+                 "scheduler.state_dict() and load it back, or the restart trains "
+                 "with the initial learning rate",
+    "fresh": "with no checkpoint yet, load must leave the fresh model alone and "
+             "return 0",
+}
+
+
+def _step_hint(got, latest, saved) -> str:
+    if latest == 0:
+        return "with no checkpoint saved yet, return 0"
+    if got == 0:
+        return ("returning 0 restarts from the beginning: every step since the "
+                "start runs again - return the number of steps the checkpoint holds")
+    if saved and got in saved and got < latest:
+        return (f"the checkpoint of step {got} is older than that of step {latest}: "
+                "find the newest by number (as text, 'step12' < 'step9'), or keep a "
+                "file that names it")
+    return (f"return the number of steps the loaded checkpoint holds ({latest}), "
+            "saved with it")
+
+
+def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None:
+    """Exercise 12.3: checkpoint functions that make a restart change nothing.
+
+    ``elastic=False`` skips the run under torchrun's agent (the in-process
+    restarts still run); the course's tests use it to stay within their time.
+    """
+    ex = "12.3"
+    require_solution(ex, save_checkpoint)
+    require_solution(ex, load_checkpoint)
+    from course_utils.dist import LaunchTimeout, RankFailed, launch
+
+    rng = random.Random(time.time_ns())
+    crashes = (rng.randrange(EVERY + 1, 2 * EVERY + 2), 12)  # 12: after step 13
+    ckpt_dir = tempfile.mkdtemp(prefix="ch12_check_")
+    try:
+        try:
+            out = launch(_quick_stage, 2, args=(save_checkpoint, load_checkpoint,
+                                                ckpt_dir, crashes),
+                         timeout=90, echo=False)
+        except RankFailed as e:
+            first = str(e).splitlines()[0]
+            fail(ex, "save_checkpoint and load_checkpoint to run on 2 ranks",
+                 first[:300], "read the error; both functions run on every rank, "
+                 "in a process group (dist.get_rank() works)")
+        except LaunchTimeout as e:
+            fail(ex, "both functions to return within 90 s on 2 ranks",
+                 str(e).splitlines()[0][:200], "a collective that only some ranks "
+                 "call (a barrier inside `if rank == 0`) waits for ever")
+        value = out[0].value
+        for problem, attempt, got, latest, saved in value["report"]:
+            when = (f"restart {attempt} (after a crash at step "
+                    f"{crashes[attempt - 1] + 1})" if attempt else "the first start")
+            if problem == "type":
+                fail(ex, f"load_checkpoint to return a step number at {when}",
+                     f"{got}", "return an int: the steps the checkpoint holds")
+            if problem == "step":
+                fail(ex, f"load_checkpoint to return {latest} at {when}", f"{got}",
+                     _step_hint(got, latest, saved))
+            if problem:
+                fail(ex, f"the state saved after step {latest} restored at {when}",
+                     f"different {problem}", HINTS_12_3[problem])
+        if not torch.equal(value["final"], value["reference"]):
+            gap = (value["final"] - value["reference"]).abs().max().item()
+            fail(ex, "the weights of an uninterrupted run after two restarts",
+                 f"a largest difference of {gap:.2g}", "every state was restored, "
+                 "so something else changed the training: does save_checkpoint "
+                 "step or modify the model, the optimizer or the scheduler?")
+        if not elastic:
+            passed(ex, "Two restarts in the same processes changed nothing.")
+            return
+        shutil.rmtree(ckpt_dir)
+        os.makedirs(ckpt_dir)
+        crash_at, crash_rank = rng.randrange(EVERY, STEPS - 1), rng.randrange(2)
+        try:
+            res = launch(_elastic_agent, 1, init=False, timeout=120, echo=False,
+                         args=((ckpt_dir, crash_at, crash_rank, save_checkpoint,
+                                load_checkpoint),))[0].value
+        except (RankFailed, LaunchTimeout) as e:
+            fail(ex, "the job to finish under torchrun after one restart",
+                 str(e).splitlines()[0][:300], "the in-process restarts passed, so "
+                 f"this may be the machine (load average {os.getloadavg()[0]:.1f}): "
+                 "run the check again")
+        latest = (crash_at + 1) // EVERY * EVERY
+        for r, result in res.items():
+            if result["attempt"] != 1 or result["start"] != latest:
+                fail(ex, f"worker {r} restarted once, at step {latest}",
+                     f"attempt {result['attempt']}, start {result['start']}",
+                     _step_hint(result["start"], latest, None))
+            if not torch.allclose(result["weights"], value["reference"], rtol=0,
+                                  atol=1e-6):
+                gap = (result["weights"] - value["reference"]).abs().max().item()
+                fail(ex, "the weights of an uninterrupted run", f"a largest "
+                     f"difference of {gap:.2g} on worker {r}", "the restored state "
+                     "was right in one process: is the checkpoint written by every "
+                     "rank, and complete before `latest` names it?")
+        passed(ex, f"rank {crash_rank} died after step {crash_at + 1}; torchrun "
+                   f"restarted both workers from step {latest}, and the final "
+                   "weights equal an uninterrupted run's.")
+    finally:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
