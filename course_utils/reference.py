@@ -216,6 +216,32 @@ def published_entries() -> dict[str, dict]:
     return entries
 
 
+# an id named in prose: ``subject.quantity``, the quantity with an underscore
+# (``megatron_2021.gpu_count``, ``seed000.cpu_add_loop_seconds``)
+_ID_IN_TEXT = re.compile(
+    r"(?<![\w./-])([a-z][a-z0-9_]*\.[a-z][a-z0-9]*_[a-z0-9_]+)(?![\w(/-])")
+
+
+def dangling_references(entries: dict[str, dict] | None = None) -> list[str]:
+    """``'entry: names missing.id'`` for each id a note or measure names that is absent.
+
+    An id is recognised in ``measures`` and ``note`` as ``subject.quantity``
+    (see ``_ID_IN_TEXT``); a subject none of the entries has is not an id
+    (``pin_memory().to`` or ``torch.cuda`` are not matched either).
+    """
+    entries = published_entries() if entries is None else entries
+    subjects = {k.split(".")[0] for k in entries}
+    found = []
+    for key, e in sorted(entries.items()):
+        text = f"{e.get('measures', '')} {e.get('note', '')}"
+        for ref in _ID_IN_TEXT.findall(text):
+            prefix = ref.split(".")[0]
+            if ref not in entries and (prefix in subjects or re.search(r"_\d{4}$",
+                                                                      prefix)):
+                found.append(f"{key}: names {ref}")
+    return found
+
+
 _PUBLISHED: dict[str, dict] | None = None
 
 

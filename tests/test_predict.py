@@ -61,3 +61,103 @@ def test_a_prediction_is_shown_as_one():
     f = predict.roofline_seconds(1e9, 1e6, "t4")
     shown = reference.show("demo", local=1e-3, unit="s", figures=[f])
     assert [s.kind for s in shown] == ["measured", "predicted"]
+
+
+# --- calibrated models and the calibration table ------------------------------------
+
+
+def test_calibration_command_passes_with_at_least_20_pairs():
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "course_utils.predict", "--calibration"],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [ln for ln in run.stdout.splitlines() if ", ratio " in ln]
+    assert len(lines) == len(predict.calibration_pairs())
+    good = [ln for ln in lines if "known gap" not in ln]
+    assert len(good) >= 20
+    for ln in good:
+        ratio = float(ln.split(", ratio ")[1].split()[0])
+        assert 0.8 <= ratio <= 1.25, ln
+
+
+def test_calibration_fails_when_a_ratio_leaves_the_band(monkeypatch, capsys):
+    pairs = predict.calibration_pairs()
+    bad = predict.Pair("made up", 2.0, 1.0, "x", pairs[0].measured, pairs[0].inputs)
+    monkeypatch.setattr(predict, "calibration_pairs", lambda: [*pairs, bad])
+    assert predict.main(["--calibration"]) == 1
+    out = capsys.readouterr().out
+    assert "made up: predicted 2 x, published measurement 1 x" in out
+    monkeypatch.setattr(predict, "calibration_pairs", lambda: pairs[:19])
+    assert predict.main(["--calibration"]) == 1  # too few pairs
+    monkeypatch.setattr(predict, "calibration_pairs", lambda: pairs)
+    assert predict.main(["--calibration", "--strict"]) == 1  # known gaps count
+
+
+def test_no_pair_checks_a_model_against_its_own_input():
+    entries = reference.published_entries()
+    for p in predict.calibration_pairs():
+        assert p.measured in entries, p.setup
+        assert p.measured not in p.inputs, p.setup
+        for key in p.inputs:
+            assert key in entries, (p.setup, key)
+        assert entries[p.measured]["unit"] in (p.unit, "s", "img/s", "samples/s",
+                                               "PFLOP/s", "us", "GB/s", "TFLOP/s")
+
+
+def test_calibration_covers_what_the_chapters_predict():
+    setups = " | ".join(p.setup for p in predict.calibration_pairs() if not p.gap)
+    for word in ("matmul", "HBM", "pinned copy", "pageable copy", "8x H200",
+                 "PCIe", "8 bytes", "DDP", "micro-batch", "mixed-precision"):
+        assert word in setups, word
+
+
+def test_calibrated_inputs_are_fractions_of_datasheet_rates():
+    for f in (predict.matmul_efficiency, predict.memory_efficiency,
+              predict.pcie_efficiency, predict.nvlink_efficiency):
+        assert 0.5 < f() < 1, f.__name__
+    assert 1e-6 < predict.launch_overhead() < 1e-4
+    assert 1e-6 < predict.collective_latency() < 1e-3
+    assert predict.achieved_link_bandwidth("pcie5_x16") == pytest.approx(
+        63.0e9 * predict.pcie_efficiency())
+
+
+def test_tiny_kernels_are_launch_bound_and_big_ones_are_not():
+    tiny = predict.kernel_seconds(16, 128, "h100_sxm", launches=1000)
+    assert tiny.value == pytest.approx(1000 * predict.launch_overhead())
+    assert "launch-bound" in tiny.source and tiny.kind == "predicted"
+    big = predict.kernel_seconds(2 * 8192**3, 3 * 2 * 8192**2, "h100_sxm", "bf16")
+    assert big.value == pytest.approx(2 * 8192**3 / predict.achieved_flops("h100_sxm",
+                                                                            "bf16"))
+    assert "compute-bound" in big.source
+
+
+def test_allreduce_has_a_latency_floor_and_the_ring_bandwidth_term():
+    small = predict.allreduce_seconds(8, 2, "nvlink_h100").value
+    assert small == pytest.approx(predict.collective_latency(), rel=1e-3)
+    big = predict.allreduce_seconds(1e9, 8, "nvlink_h100").value
+    assert big == pytest.approx(predict.collective_latency() + 2 * 7 / 8 * 1e9
+                                / predict.achieved_link_bandwidth("nvlink_h100"))
+    assert predict.allreduce_seconds(1e9, 1).value == 0
+    # nccl-tests' conventions
+    assert predict.busbw(1e9, 1.0, 8) == pytest.approx(1e9 * 2 * 7 / 8)
+    assert predict.algbw(1e9, 2.0) == pytest.approx(5e8)
+
+
+def test_pageable_copies_are_slower_than_pinned_by_the_staging_copy():
+    pinned = predict.calibrated_copy_seconds(1e9, "pcie4_x16").value
+    pageable = predict.calibrated_copy_seconds(1e9, "pcie4_x16", pinned=False).value
+    assert pageable == pytest.approx(pinned + 1e9 / predict.host_copy_rate())
+    assert 2 < pageable / pinned < 4
+
+
+def test_pipeline_bubble_and_mixed_precision_bounds():
+    assert predict.pipeline_seconds(4.0, 1, 1) == pytest.approx(4.0)
+    assert predict.pipeline_seconds(4.0, 2, 1) == pytest.approx(4.0)
+    assert predict.pipeline_seconds(4.0, 4, 8) == pytest.approx(4.0 * 11 / 32)
+    with pytest.raises(ValueError):
+        predict.pipeline_seconds(1.0, 0, 1)
+    lo, hi = predict.mixed_precision_speedup("h100_sxm", "bf16", "fp32")
+    assert lo == 2.0 and hi == pytest.approx(989.5 / 67)

@@ -159,3 +159,39 @@ def test_record_on_gpu_writes_a_file(data_dir, monkeypatch, capsys):
     # the run that just recorded shows its figure once, as measured here
     shown = reference.show("00.x", local=2.0, unit="s", local_device="cuda:0")
     assert [f.kind for f in shown] == ["measured"]
+
+
+def test_a_note_naming_a_missing_entry_is_found(data_dir):
+    note = dict(PUBLISHED["entries"][0], id="gpu_x.peak_tflops",
+                note="see gpu_x.missing_figure and paper_2021.gpu_count; "
+                     "pin_memory().to and torch.cuda are prose")
+    (data_dir / "published" / "notes.json").write_text(json.dumps({"entries": [note]}))
+    found = reference.dangling_references()
+    assert found == ["gpu_x.peak_tflops: names gpu_x.missing_figure",
+                     "gpu_x.peak_tflops: names paper_2021.gpu_count"]
+    present = dict(note, note="see gpu_x.bandwidth's source; seed9.curve")
+    (data_dir / "published" / "notes.json").write_text(
+        json.dumps({"entries": [present]}))
+    assert reference.dangling_references() == []
+
+
+def test_shipped_notes_name_only_entries_that_exist():
+    assert reference.dangling_references() == []
+
+
+def test_shipped_hardware_rows_cite_no_secondary_summaries():
+    # datasheet figures come from NVIDIA's own documents, not blogs or data repos
+    for e in reference.published_entries().values():
+        where = e["source"]["where"]
+        for bad in ("gadgetbrains", "manunicholasjacob", "llama-cpp-mmvq"):
+            assert bad not in where.lower(), e["id"]
+
+
+def test_pcie_rates_share_one_precision():
+    # 15.75, 31.5 and 63.0 GB/s: each generation at its exact 128b/130b data rate
+    rates = {g: reference.published_entry(k)["value"] for g, k in (
+        (3, "pcie3_x16.bandwidth_gbps"), (4, "pcie4_x16.bandwidth_per_direction_gbps"),
+        (5, "pcie5_x16.bandwidth_per_direction_gbps"))}
+    for gen, rate in rates.items():
+        exact = 16 * 8 * 2 ** (gen - 3) * 128 / 130 / 8
+        assert abs(rate - exact) < 5e-4 * exact, (gen, rate, exact)
