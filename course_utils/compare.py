@@ -45,11 +45,20 @@ from __future__ import annotations
 import math
 import os
 import resource
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["Comparison", "Option", "Run", "compare", "usable_cores"]
+__all__ = [
+    "Comparison",
+    "Option",
+    "Run",
+    "Stalled",
+    "compare",
+    "usable_cores",
+    "wait_while_working",
+]
 
 OUTCOMES = ("faster", "slower", "same", "disturbed")
 DISTURBED = "disturbed: another program used the cores - run again"
@@ -158,6 +167,7 @@ class Comparison:
     verdicts: dict[str, str]
     ratios: dict[str, float]
     quiet_cores: float
+    number: int = 1
 
     @property
     def outcome(self) -> str:
@@ -223,8 +233,9 @@ class Comparison:
             if others
             else ""
         )
+        calls = f" of {self.number} calls (times per call)" if self.number > 1 else ""
         lines.append(
-            f"{runs} interleaved runs each; {load} (1-min average); "
+            f"{runs} interleaved runs{calls} each; {load} (1-min average); "
             f"{self.cores} usable cores{busy_elsewhere}"
         )
         return "\n".join(lines)
@@ -255,9 +266,14 @@ def _fmt(s: float) -> str:
     return f"{s / 1e-9:.3g} ns"
 
 
-def _timed(fn: Callable[[], object], number: int) -> Run:
+def _timed(
+    fn: Callable[[], object], number: int, watched: Callable[[], list[int]]
+) -> Run:
+    """One run of ``number`` calls; times and CPU seconds are per call."""
+    pids = watched()
     load0 = _machine_busy_s()
     own0, kids0 = time.process_time(), _children_cpu_s()
+    tree0 = _tree_cpu_s(pids) if pids else 0.0
     t0 = time.perf_counter()
     reported_cpu, reported_wall = 0.0, 0.0
     for _ in range(number):
@@ -266,15 +282,16 @@ def _timed(fn: Callable[[], object], number: int) -> Run:
             reported_cpu += float(out.get("cpu_s", 0.0))
             reported_wall += float(out.get("wall_s", 0.0))
     wall = time.perf_counter() - t0
-    own = time.process_time() - own0 + _children_cpu_s() - kids0
+    tree = _tree_cpu_s(pids) - tree0 if pids else 0.0
+    own = time.process_time() - own0 + _children_cpu_s() - kids0 + max(0.0, tree)
     load1 = _machine_busy_s()
     ours = own + reported_cpu
     others = None
     if load0 is not None and load1 is not None and wall > 0:
         others = max(0.0, (load1 - load0 - ours) / wall)
     if reported_wall > 0:
-        return Run(wall_s=reported_wall, cpu_s=reported_cpu, others_cores=others)
-    return Run(wall_s=wall, cpu_s=ours, others_cores=others)
+        return Run(reported_wall / number, reported_cpu / number, others)
+    return Run(wall / number, ours / number, others)
 
 
 def _judge(
@@ -304,7 +321,9 @@ def _judge(
     if faster >= needed:
         outcome = "faster"
         line = f"{name}: faster, {ratio:.2f}x ({why})"
-        if busy > 1.2 and cpu < 1.2:
+        if max(base.busy_cores, other.busy_cores) < 0.5:
+            line += ": mostly waiting, and the waits overlapped"
+        elif busy > 1.2 and cpu < 1.2:
             line += ": the gain came from more busy cores"
         elif cpu < 0.85 and busy < 1.2:
             line += ": the gain came from less CPU work, not more cores"
@@ -330,34 +349,47 @@ def compare(
     options: Mapping[str, Callable[[], object]],
     repeats: int = 5,
     warmup: int = 1,
-    number: int = 1,
+    number: int | None = None,
+    min_run_s: float = 0.2,
     tolerance: float = 0.05,
     quiet_cores: float = 0.5,
+    processes: Callable[[], list[int]] | list[int] = (),
 ) -> Comparison:
     """Time each option ``repeats`` times, interleaved, and judge the difference.
 
     Chapter 4. ``options`` maps a label to a function of no arguments; the
-    first is the baseline. Each run calls the function ``number`` times. A
-    function whose work runs in other processes that this one does not wait
-    for (ranks, a pool kept alive) returns ``{"cpu_s": seconds}`` for them.
-    ``tolerance`` is the relative difference below which two times count as
-    equal; ``quiet_cores`` how many cores other programs may use during a run
-    before it is set aside.
+    first is the baseline. Each run calls the function ``number`` times and
+    reports the time per call; by default ``number`` is chosen from the
+    warm-up so that a run lasts ``min_run_s`` (the machine's CPU counters tick
+    every 10 ms). A function whose work runs in processes this one does not
+    wait for returns ``{"cpu_s": seconds}`` for them, or ``processes`` lists
+    their ids (a pool kept alive: their CPU seconds and their children's are
+    counted). ``tolerance`` is the relative difference below which two times
+    count as equal; ``quiet_cores`` how many cores other programs may use
+    during a run before it is set aside.
     """
     if not options:
         raise ValueError("compare() needs at least one option")
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
     fns = dict(options)
+    watched = processes if callable(processes) else (lambda: list(processes))
     idle_load = _load()  # before our own warm-up adds to it
+    quickest = math.inf
     for fn in fns.values():
         for _ in range(warmup):
+            t0 = time.perf_counter()
             fn()
+            quickest = min(quickest, time.perf_counter() - t0)
+    if number is None:
+        number = 1
+        if warmup and 0 < quickest < min_run_s:
+            number = min(1000, math.ceil(min_run_s / quickest))
     load_before = _load()
     opts = [Option(label) for label in fns]
     for _ in range(repeats):
         for opt in opts:
-            run = _timed(fns[opt.label], number)
+            run = _timed(fns[opt.label], number, watched)
             opt.runs.append(run)
             quiet = run.quiet(quiet_cores)
             if run.others_cores is None and idle_load is not None:
@@ -380,4 +412,77 @@ def compare(
         verdicts=verdicts,
         ratios=ratios,
         quiet_cores=quiet_cores,
+        number=number,
     )
+
+
+class Stalled(TimeoutError):
+    """Processes did not finish: they stopped working, or ran past the limit."""
+
+
+def _tree_cpu_s(pids: list[int]) -> float:
+    """CPU seconds used so far by these processes and their descendants."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            tree = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in tree:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    return total
+
+
+def wait_while_working(
+    procs: list[subprocess.Popen], limit_s: float, stall_s: float = 15.0
+) -> None:
+    """Wait for every process to end, as long as their work goes on. Chapter 6.
+
+    A fixed wall-clock limit is a guess that a busy machine can exceed: there
+    a healthy job only runs slower. So the wait ends early only when the
+    processes (and their children) used no CPU for ``stall_s`` seconds - they
+    are stuck, whatever the load - or after ``limit_s`` seconds in all, a cap
+    to derive from what the machine just measured (a multiple of its start-up
+    time). Raises ``Stalled`` saying which, and how busy the machine was, so
+    that a failure on a busy machine says so. The caller stops the processes.
+    """
+    start = last_progress = time.monotonic()
+    cpu = _tree_cpu_s([p.pid for p in procs])
+    ours = 0.0  # CPU seconds the processes used during the wait
+    machine0 = _machine_busy_s()
+    while any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+        now = time.monotonic()
+        used = _tree_cpu_s([p.pid for p in procs if p.poll() is None])
+        if used > cpu + 0.02 or used < cpu:  # more work, or a process ended
+            last_progress = now
+        ours += max(0.0, used - cpu)
+        cpu = used
+        stuck = now - last_progress > stall_s
+        if stuck or now - start > limit_s:
+            machine1 = _machine_busy_s()
+            if machine0 is not None and machine1 is not None:
+                others = max(0.0, (machine1 - machine0 - ours) / (now - start))
+            else:
+                others = max(0.0, (_load() or 0.0) - ours / (now - start))
+            busy = others > 0.5
+            load = (
+                f"other programs kept {others:.1f} of {usable_cores()} cores "
+                "busy meanwhile"
+                + (": the machine was busy - run the cell again" if busy else "")
+            )
+            if stuck:
+                raise Stalled(
+                    f"stuck: the processes used no CPU for {stall_s:.0f} s; {load}"
+                )
+            raise Stalled(
+                f"still working after {limit_s:.0f} s, the limit derived from "
+                f"this machine's start-up time; {load}"
+            )

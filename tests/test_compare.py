@@ -19,6 +19,11 @@ def quiet_machine(monkeypatch):
     monkeypatch.setattr(cmp, "_load", lambda: 0.0)
 
 
+def compare(options, **kw):
+    """One call per run unless a test asks otherwise: the tests stay short."""
+    return cmp.compare(options, **{"number": 1, **kw})
+
+
 def sleeper(seconds, cpu_s=None):
     def run():
         time.sleep(seconds)
@@ -29,7 +34,7 @@ def sleeper(seconds, cpu_s=None):
 
 def test_runs_are_interleaved_after_a_warm_up(quiet_machine):
     calls = []
-    result = cmp.compare(
+    result = compare(
         {"A": lambda: calls.append("A"), "B": lambda: calls.append("B")},
         repeats=3,
         warmup=2,
@@ -39,17 +44,17 @@ def test_runs_are_interleaved_after_a_warm_up(quiet_machine):
 
 
 def test_a_clear_difference_is_faster_or_slower(quiet_machine):
-    result = cmp.compare({"slow": sleeper(0.04), "quick": sleeper(0.01)}, repeats=3)
+    result = compare({"slow": sleeper(0.04), "quick": sleeper(0.01)}, repeats=3)
     assert result.outcome == "faster"
     assert result.ratio == pytest.approx(4, rel=0.5)
     assert "quick vs slow: faster" in result.verdict
-    back = cmp.compare({"quick": sleeper(0.01), "slow": sleeper(0.04)}, repeats=3)
+    back = compare({"quick": sleeper(0.01), "slow": sleeper(0.04)}, repeats=3)
     assert back.outcome == "slower"
     assert "slower" in str(back)
 
 
 def test_equal_times_are_the_same_within_noise(quiet_machine):
-    result = cmp.compare(
+    result = compare(
         {"a": sleeper(0.02), "b": sleeper(0.02)}, repeats=4, tolerance=0.5
     )
     assert result.outcome == "same"
@@ -57,7 +62,7 @@ def test_equal_times_are_the_same_within_noise(quiet_machine):
 
 
 def test_reported_cpu_seconds_give_busy_cores(quiet_machine):
-    result = cmp.compare(
+    result = compare(
         {"one rank": sleeper(0.04, cpu_s=0.04), "two ranks": sleeper(0.02, 0.04)},
         repeats=3,
     )
@@ -71,7 +76,7 @@ def test_a_function_that_timed_itself_is_taken_as_it_says(quiet_machine):
     def timed():
         return {"cpu_s": 0.3, "wall_s": 0.2}
 
-    result = cmp.compare({"self-timed": timed}, repeats=2, warmup=0)
+    result = compare({"self-timed": timed}, repeats=2, warmup=0)
     run = result.options[0].runs[0]
     assert (run.wall_s, run.cpu_s) == (0.2, 0.3)
     assert result.outcome == "measured"
@@ -83,7 +88,7 @@ def test_another_program_makes_the_verdict_disturbed(monkeypatch):
         cmp, "_machine_busy_s", lambda: 2.0 * time.perf_counter()
     )
     monkeypatch.setattr(cmp, "_load", lambda: 2.0)
-    result = cmp.compare({"slow": sleeper(0.03), "quick": sleeper(0.01)}, repeats=3)
+    result = compare({"slow": sleeper(0.03), "quick": sleeper(0.01)}, repeats=3)
     assert result.outcome == "disturbed"
     assert "another program used the cores - run again" in result.verdict
     text = str(result)
@@ -104,14 +109,14 @@ def test_a_few_disturbed_runs_are_set_aside(monkeypatch):
 
     monkeypatch.setattr(cmp, "_machine_busy_s", counter)
     monkeypatch.setattr(cmp, "_load", lambda: 0.0)
-    result = cmp.compare({"slow": sleeper(0.03), "quick": sleeper(0.01)}, repeats=5)
+    result = compare({"slow": sleeper(0.03), "quick": sleeper(0.01)}, repeats=5)
     kept = [k for o in result.options for k in o.kept]
     assert kept.count(False) == 1
     assert result.outcome == "faster"
 
 
 def test_cpu_counted_twice_is_not_a_speed_up(quiet_machine):
-    result = cmp.compare(
+    result = compare(
         {"base": sleeper(0.02), "double-counted": sleeper(0.01, cpu_s=1.0)},
         repeats=3,
     )
@@ -122,12 +127,12 @@ def test_cpu_counted_twice_is_not_a_speed_up(quiet_machine):
 def test_no_per_run_counters_trust_only_an_idle_start(monkeypatch):
     monkeypatch.setattr(cmp, "_machine_busy_s", lambda: None)
     monkeypatch.setattr(cmp, "_load", lambda: 3.0)
-    result = cmp.compare({"a": sleeper(0.02), "b": sleeper(0.01)}, repeats=3)
+    result = compare({"a": sleeper(0.02), "b": sleeper(0.01)}, repeats=3)
     assert result.outcome == "disturbed"
 
 
 def test_more_than_two_options_each_against_the_first(quiet_machine):
-    result = cmp.compare(
+    result = compare(
         {"base": sleeper(0.03), "same": sleeper(0.03), "quick": sleeper(0.005)},
         repeats=3,
         tolerance=0.5,
@@ -142,7 +147,7 @@ def test_real_cpu_work_is_counted_on_this_machine():
         while time.process_time() < end:
             pass
 
-    result = cmp.compare({"spin": spin}, repeats=2, warmup=0)
+    result = compare({"spin": spin}, repeats=2, warmup=0)
     option = result.options[0]
     assert option.cpu_s >= 0.05
     assert 0.0 < option.busy_cores <= cmp.usable_cores() + 0.25
@@ -154,3 +159,40 @@ def test_bad_arguments():
         cmp.compare({})
     with pytest.raises(ValueError):
         cmp.compare({"a": lambda: None}, repeats=0)
+
+
+def test_calls_per_run_chosen_from_the_warm_up(quiet_machine):
+    calls = []
+    result = cmp.compare(
+        {"quick": lambda: (calls.append(1), time.sleep(0.01))},
+        repeats=2,
+        min_run_s=0.05,
+    )
+    assert 3 <= result.number <= 6
+    assert len(calls) == 1 + 2 * result.number
+    assert result.options[0].median == pytest.approx(0.01, rel=0.8)
+    assert f"of {result.number} calls" in str(result)
+
+
+def test_watched_processes_count_as_ours(quiet_machine):
+    import subprocess
+    import sys
+
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfor line in sys.stdin: pass"],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        def busy_worker():
+            worker.stdin.write(b"x" * 50_000_000 + b"\n")
+            worker.stdin.flush()
+            time.sleep(0.05)
+
+        result = compare(
+            {"writes": busy_worker}, repeats=2, processes=[worker.pid]
+        )
+        alone = compare({"writes": busy_worker}, repeats=2)
+        assert result.options[0].cpu_s > alone.options[0].cpu_s
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=30)
