@@ -27,14 +27,17 @@
 # - Pipeline and data parallelism together, on a 2 x 2 device mesh.
 #
 # **Hardware.** The stages are real processes that pass activations and
-# gradients to each other through `gloo` - on GPUs, one stage per GPU - so the
-# bubble below is measured, not drawn. On a 2-core machine each of two stages
-# gets a core (with four stages they share). Without GPUs, the GPU side is
-# shown as the published results of PyTorch's model-parallel tutorial and as
-# labelled predictions.
+# gradients to each other, so the bubble below is measured, not drawn: with a
+# GPU for every stage, each process drives its own GPU through `nccl`;
+# otherwise the stages run on CPU cores through `gloo` (on a 2-core machine
+# each of two stages gets a core; four stages share them). The seed's
+# one-process loop runs on two GPUs, on one GPU beside the CPU, or on the CPU
+# alone. Without GPUs, the GPU side is shown as the published results of
+# PyTorch's model-parallel tutorial and as labelled predictions.
 
 # %%
 import copy
+import functools
 import time
 import warnings
 from importlib.util import find_spec
@@ -47,6 +50,7 @@ from torch import nn
 
 from course_utils import banner, plots, reference
 from course_utils.checks.ch07 import check_gpipe, check_one_f_one_b, check_split_stages
+from course_utils.compare import compare
 from course_utils.dist import launch
 from course_utils.plots import plot_timeline
 
@@ -106,11 +110,19 @@ print("by hand: largest gradient difference from the whole model "
       f"{worst_difference((part_a, part_b), whole):.1e}")
 
 # %% [markdown]
-# Seed 002 places an embedding table on the CPU (it is large, and a lookup
-# is cheap) and the rest of the model on the GPU. Written as a module whose
-# `__init__` first calls `super().__init__()` and then assigns its parts, it
-# runs (the seed's version passed the parts to `nn.Module.__init__`, which
-# raises `TypeError`):
+# Seed 000, after PyTorch's old parallelism tutorial, computes an embedding
+# on the CPU and the rest of the model on the GPU.
+#
+# **Claim** (seed 000): the embedding goes on the CPU because it needs high
+# precision and little computation. **Measured here**: a lookup returns the
+# table's rows bit for bit, on any device. **Why**: a lookup copies rows and
+# does no arithmetic, so there is no precision to gain; the real reason to
+# keep a table on the CPU is memory - a large vocabulary's table may not fit
+# beside the model on the GPU, and a lookup is cheap wherever it runs.
+#
+# The seed's module passed its parts to `nn.Module.__init__`, which raises
+# `TypeError`; with `super().__init__()` first and the parts assigned after,
+# it runs:
 
 # %%
 class EmbeddingOnCpu(nn.Module):
@@ -126,12 +138,21 @@ class EmbeddingOnCpu(nn.Module):
 
 
 split_model = EmbeddingOnCpu(dev_b)
-logits = split_model(torch.randint(0, 1000, (8, 12)))
+tokens = torch.randint(0, 1000, (8, 12))
+logits = split_model(tokens)
 logits.sum().backward()
 print(f"embedding on cpu, the rest on {dev_b}: logits {tuple(logits.shape)} on "
       f"{logits.device}; the embedding's gradient is on "
       f"{split_model.embedding.weight.grad.device}"
       + ("" if gpus else " (no GPU: both on the CPU)"))
+table = split_model.embedding.weight.detach()
+looked_up = {"cpu": split_model.embedding(tokens).detach()}
+if gpus:  # the same lookup on a GPU
+    looked_up[str(dev_b)] = nn.functional.embedding(tokens.to(dev_b),
+                                                    table.to(dev_b)).cpu()
+print("lookups equal to the table's rows, bit for bit: "
+      + ", ".join(f"{where} {torch.equal(rows, table[tokens])}"
+                  for where, rows in looked_up.items()))
 
 # %% [markdown]
 # ## 2. The seed's micro-batch loop, in one process
@@ -143,7 +164,13 @@ print(f"embedding on cpu, the rest on {dev_b}: logits {tuple(logits.shape)} on "
 # launch returns at once: Python queues piece `k + 1` on GPU 0 while GPU 1
 # still runs piece `k`. On a CPU every operator returns when it is done, so
 # the same loop runs the pieces one after the other, and cutting the batch
-# gains nothing:
+# cannot gain from overlap. The comparison below runs the options
+# interleaved and judges them from their own numbers (the course's
+# comparison protocol, `course_utils.compare`: wall and CPU seconds, busy
+# cores, what other programs used). With GPUs the same loop runs beside it:
+# on two GPUs as in the tutorial; on one GPU, the first half on the CPU and
+# the second on the GPU, so the CPU computes piece `k + 1` while the GPU runs
+# piece `k` - at most the GPU half's time can hide.
 
 # %%
 def seed_split_loop(first, second, batch, split_size):
@@ -158,26 +185,38 @@ def seed_split_loop(first, second, batch, split_size):
     return torch.cat(outs)
 
 
-torch.manual_seed(0)
-first_half = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-second_half = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-batch = torch.randn(240, 512)
-loop_times = {}
-for split_size in (240, 60, 20):
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
+def make_halves(width, device_1, device_2):
+    """Two halves of 4 Linear layers; the second moves its input to its device."""
+    torch.manual_seed(0)
+    first = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]).to(device_1)
+    second = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]).to(device_2)
+    return first, lambda h: second(h.to(device_2))
+
+
+def timed_loop(halves, batch, split_size, devices):
+    """One run of the loop; it ends when every GPU involved has finished."""
+    def run():
         with torch.no_grad():
-            seed_split_loop(first_half, second_half, batch, split_size)
-        runs.append(time.perf_counter() - t0)
-    loop_times[split_size] = min(runs)
-    print(f"split_size {split_size:3d}: {loop_times[split_size] * 1e3:6.1f} ms "
-          "(fastest of 5)")
-gain = loop_times[240] / min(loop_times[60], loop_times[20])
-print("verdict: " + (f"no gain from cutting the batch in one process on a CPU "
-                     f"({gain:.2f}x)" if gain < 1.15 else
-                     f"{gain:.2f}x - here intra-op threads or caches helped the "
-                     "smaller pieces; the pieces still ran one after the other"))
+            seed_split_loop(*halves, batch, split_size)
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+    return run
+
+
+cpu = torch.device("cpu")
+places = [("CPU", cpu, cpu, 512, 240)]
+if len(gpus) >= 2:  # the tutorial's case, at a size where the GPUs have work
+    places.append((f"{gpus[0]} + {gpus[1]}", gpus[0], gpus[1], 2048, 3840))
+elif gpus:  # one GPU: the blocking half on the CPU, the asynchronous one on it
+    places.append((f"CPU + {gpus[0]}", cpu, gpus[0], 512, 240))
+for where, d1, d2, width, rows in places:
+    halves = make_halves(width, d1, d2)
+    batch = torch.randn(rows, width, device=d1)
+    print(f"{where}: {rows} x {width} batch, 4 + 4 Linear({width})")
+    print(compare({f"split_size {rows // k}": timed_loop(halves, batch, rows // k,
+                                                         (d1, d2))
+                   for k in (1, 4, 12)}, repeats=5))
 
 # %% [markdown]
 # The tutorial published its GPU results (section 4 puts them beside the CPU
@@ -336,7 +375,22 @@ for p, m in ((8, 8), (8, 32), (8, 128)):
 # 1. Each rank runs its list of operations in the order the simulator
 # produced for a schedule, and records when each ran, how many micro-batches
 # it held, and how many bytes of activations autograd kept for them (counted
-# with a saved-tensors hook, parameters left out).
+# with a saved-tensors hook, each storage once, parameters left out).
+#
+# A timeline is only evidence if it is measured carefully:
+#
+# - each operation's span closes **before** its send, so the next stage's
+#   span (which starts when its receive returns) can never begin before it;
+# - all ranks read the same clock (`time.perf_counter` is the machine's
+#   monotonic clock, shared by its processes);
+# - the steps run under the comparison protocol, interleaved, and the
+#   timeline shown is **one** step, the same on every rank (the median of
+#   the quiet runs), never each rank's fastest of different steps;
+# - each rank reports its CPU seconds: a stage whose operations lasted longer
+#   than the CPU it got was waiting for a core, not for data;
+# - a bubble below the formula's floor (or an operation that starts before
+#   its input exists) is impossible, so it is reported as a measurement
+#   error and left out of the plot.
 
 # %%
 WIDTH, BATCH, LAYERS = 256, 256, 8
@@ -364,73 +418,87 @@ def rank_device(rank):
         torch.device("cpu")
 
 
-def run_pipeline(rank, world_size, plans, repeats):
-    """Run each plan (name -> (m, per-rank orders)); spans, memory, gradients."""
+def run_pipeline(rank, world_size, plans, groups, repeats):
+    """Run the plans (name -> (m, per-rank orders)) of each group through the
+    comparison protocol, in step on every rank. Returns rank 0's comparisons,
+    every call's (spans, CPU seconds, micro-batches held, bytes kept), and the
+    gradients."""
     dev = rank_device(rank)
-    done = torch.cuda.synchronize if dev.type == "cuda" else lambda *a: None
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda *a: None
     stage = make_stage(rank, world_size).to(dev)
     own = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     torch.manual_seed(1)
     x, y = torch.randn(BATCH, WIDTH).to(dev), torch.randn(BATCH, WIDTH).to(dev)
     last = rank == world_size - 1
-    results = {}
-    for name, (m, plan) in plans.items():
-        best = None
-        for _ in range(repeats):
-            stage.zero_grad()
-            xs, ys = x.chunk(m), y.chunk(m)
-            saved, held, peak, most, sends, spans = {}, 0, 0, 0, [], []
-            dist.barrier()
-            t0 = time.perf_counter()
-            for kind, i in plan[rank]:
-                if kind == "F":
-                    if rank == 0:
-                        inp = xs[i]
-                    else:
-                        inp = torch.empty(xs[i].shape[0], WIDTH, device=dev)
-                        dist.recv(inp, rank - 1)
-                        inp.requires_grad_()
-                    start, kept = time.perf_counter() - t0, []
 
-                    def pack(t, kept=kept):
-                        if t.untyped_storage().data_ptr() not in own:
-                            kept.append(t.untyped_storage().nbytes())
-                        return t
-
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        out = stage(inp)
-                        if last:  # each piece's share of the whole batch's mean loss
-                            out = nn.functional.mse_loss(out, ys[i],
-                                                         reduction="sum") / y.numel()
-                    if not last:
-                        act = out.detach()
-                        sends.append((dist.isend(act, rank + 1), act))
-                    saved[i] = (inp, out, sum(kept))
-                    held += sum(kept)
-                    peak, most = max(peak, held), max(most, len(saved))
+    def step(name, calls):
+        m, plan = plans[name]
+        stage.zero_grad()
+        xs, ys = x.chunk(m), y.chunk(m)
+        saved, held, peak, most, sends, spans = {}, 0, 0, 0, [], []
+        dist.barrier()
+        cpu0 = time.process_time()
+        for kind, i in plan[rank]:
+            if kind == "F":
+                if rank == 0:
+                    inp = xs[i]
                 else:
-                    inp, out, nbytes = saved.pop(i)
-                    if last:
-                        start = time.perf_counter() - t0
-                        out.backward()
-                    else:
-                        grad = torch.empty_like(out)
-                        dist.recv(grad, rank + 1)
-                        start = time.perf_counter() - t0
-                        out.backward(grad)
-                    if rank > 0:
-                        sends.append((dist.isend(inp.grad, rank - 1), inp.grad))
-                    held -= nbytes
-                done(dev)  # on a GPU: the span ends when the work does
-                spans.append((f"stage {rank}", start, time.perf_counter() - t0,
-                              f"{kind}{i}"))
-            for request, _ in sends:
-                request.wait()
-            total = time.perf_counter() - t0
-            if best is None or total < best[0]:
-                best = (total, spans, most, peak)
-        results[name] = best
-    return results, [p.grad.cpu() for p in stage.parameters()]
+                    inp = torch.empty(xs[i].shape[0], WIDTH, device=dev)
+                    dist.recv(inp, rank - 1)
+                    inp.requires_grad_()
+                sync(dev)  # under nccl the data has arrived only now
+                start, kept = time.perf_counter(), {}
+
+                def pack(t, kept=kept):  # each storage once, parameters left out
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in own:
+                        kept[storage.data_ptr()] = storage.nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = stage(inp)
+                    if last:  # each piece's share of the whole batch's mean loss
+                        out = nn.functional.mse_loss(out, ys[i],
+                                                     reduction="sum") / y.numel()
+                sync(dev)
+                end = time.perf_counter()  # the span closes before the send
+                if not last:
+                    act = out.detach()
+                    sends.append((dist.isend(act, rank + 1), act))
+                saved[i] = (inp, out, sum(kept.values()))
+                held += saved[i][2]
+                peak, most = max(peak, held), max(most, len(saved))
+            else:
+                inp, out, nbytes = saved.pop(i)
+                if not last:
+                    grad = torch.empty_like(out)
+                    dist.recv(grad, rank + 1)
+                    sync(dev)
+                start = time.perf_counter()
+                out.backward() if last else out.backward(grad)
+                sync(dev)
+                end = time.perf_counter()
+                if rank > 0:
+                    sends.append((dist.isend(inp.grad, rank - 1), inp.grad))
+                held -= nbytes
+            spans.append((f"stage {rank}", start, end, f"{kind}{i}"))
+        for request, _ in sends:
+            request.wait()
+        sync(dev)
+        cpu = time.process_time() - cpu0
+        calls[name].append((spans, cpu, most, peak))
+        others = torch.tensor([0.0 if rank == 0 else cpu], device=dev)
+        dist.all_reduce(others)  # the other ranks' CPU seconds, for rank 0's count
+        return {"cpu_s": others.item()}
+
+    results, records = [], []
+    for names in groups:  # the same calls in the same order on every rank
+        calls = {name: [] for name in names}
+        results.append(compare({n: functools.partial(step, n, calls) for n in names},
+                               repeats=repeats, warmup=1))
+        records.append(calls)
+    return (results if rank == 0 else None), records, [p.grad.cpu()
+                                                       for p in stage.parameters()]
 
 
 def reference_gradients():
@@ -443,27 +511,64 @@ def reference_gradients():
     return [p.grad for p in model.parameters()]
 
 
+def median_step(ranks, group, name):
+    """The same step on every rank: the median one of rank 0's quiet runs."""
+    option = ranks[0].value[0][group][name]
+    runs = [i for i, kept in enumerate(option.kept) if kept] or range(len(option.runs))
+    k = sorted(runs, key=lambda i: option.runs[i].wall_s)[len(runs) // 2]
+    calls = [r.value[1][group][name][k + 1] for r in ranks]  # after the warm-up
+    return {"spans": [s for c in calls for s in c[0]], "cpu": [c[1] for c in calls],
+            "held": [c[2] for c in calls], "kept": [c[3] for c in calls]}
+
+
+def causal(spans):
+    """Whether every operation started after its input existed and its rank's
+    previous operation ended: a timeline that breaks this is a measurement error."""
+    ends = {(int(lane.split()[1]), label): e for lane, s, e, label in spans}
+    last_end = {}
+    for lane, start, end, label in sorted(spans, key=lambda s: s[1]):
+        r = int(lane.split()[1])
+        source = (r - 1 if label[0] == "F" else r + 1, label)
+        if start < last_end.get(r, start) or start < ends.get(source, start):
+            return False
+        last_end[r] = end
+    return True
+
+
+def report(step, m, p):
+    """The bubble of a step against the formula's floor, or why it is an error."""
+    floor = (p - 1) / (m + p - 1)
+    idle = bubble(step["spans"])
+    if not causal(step["spans"]) or idle < floor - 0.005:
+        return float("nan"), (f"measured bubble {idle:.2f} below the floor {floor:.2f}"
+                              " or spans out of order: a measurement error")
+    work = [sum(e - s for lane, s, e, _ in step["spans"] if lane == f"stage {r}")
+            for r in range(p)]
+    no_cpu = [r for r in range(p) if work[r] > 1.1 * step["cpu"][r]]
+    return idle, (f"bubble {idle:.2f} (floor {floor:.2f}); work per stage "
+                  f"{[f'{w * 1e3:.1f}' for w in work]} ms, CPU seconds per stage "
+                  f"{[f'{c * 1e3:.1f}' for c in step['cpu']]} ms" + (
+                      f" - stages {no_cpu} got less CPU than their operations "
+                      "lasted: they waited for a core, not only for data"
+                      if no_cpu else ""))
+
+
 M_SWEEP, P = [1, 2, 4, 8], 2
 plans = {f"GPipe m={m}": (m, orders(simulate(P, m, gpipe), P)) for m in M_SWEEP}
 plans["1F1B m=8"] = (8, orders(simulate(P, 8, one_f_one_b), P))
-ranks = launch(run_pipeline, P, args=(plans, 3), timeout=120)
-runs = [r.value[0] for r in ranks]
+groups = [[f"GPipe m={m}" for m in M_SWEEP], ["GPipe m=8", "1F1B m=8"]]
+ranks = launch(run_pipeline, P, args=(plans, groups, 5), timeout=120)
 ref_grads = reference_gradients()
-piped = [g for r in ranks for g in r.value[1]]
-print("pipelined gradients against one process: largest difference "
-      f"{max((a - b).abs().max().item() for a, b in zip(piped, ref_grads, strict=True)):.1e}")
-
-
-def measured(name):
-    """(total seconds, bubble) of a plan, from every rank's spans."""
-    spans = [s for r in runs for s in r[name][1]]
-    return max(r[name][0] for r in runs), bubble(spans)
-
-
+piped = [g for r in ranks for g in r.value[2]]
+worst = max((a - b).abs().max().item() for a, b in zip(piped, ref_grads, strict=True))
+print(f"pipelined gradients against one process: largest difference {worst:.1e}")
+sweep = ranks[0].value[0][0]
+print(sweep)
+steps = {m: median_step(ranks, 0, f"GPipe m={m}") for m in M_SWEEP}
+bubbles = {}
 for m in M_SWEEP:
-    total, idle = measured(f"GPipe m={m}")
-    print(f"GPipe m = {m}: {total * 1e3:6.1f} ms, measured bubble {idle:.2f}, "
-          f"simulated {bubble(simulate(P, m, gpipe)):.2f}")
+    bubbles[m], line = report(steps[m], m, P)
+    print(f"GPipe m = {m}, the median step: {line}")
 
 # %% [markdown]
 # The measured bubble and the step time against `m`, beside the prediction,
@@ -473,21 +578,24 @@ for m in M_SWEEP:
 # time of `(m + 1) / (2m)` of the unpipelined one.
 
 # %%
-base = measured("GPipe m=1")[0]
+where = (f"{P} GPU processes" if torch.cuda.device_count() >= P
+         else f"{P} CPU processes")
+base = sweep["GPipe m=1"].median
 mp = reference.published("pt_mp_tutorial.resnet50_two_gpus_no_pipeline_seconds")
 tutorial = [reference.published(f"pt_mp_tutorial.resnet50_pipelined_{k}_seconds")
             for k in ("split20", "split12")]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-ax1.plot(M_SWEEP, [measured(f"GPipe m={m}")[1] for m in M_SWEEP],
-         label="measured here, 2 CPU processes", **plots.figure_style("measured"))
+ax1.plot(M_SWEEP, [bubbles[m] for m in M_SWEEP],  # errors are left out (nan)
+         label=f"measured here, {where}", **plots.figure_style("measured"))
 ax1.plot(M_SWEEP, [(P - 1) / (m + P - 1) for m in M_SWEEP],
          label="predicted: (p - 1) / (m + p - 1)", **plots.figure_style("predicted"))
 ax1.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction (bubble)",
         title="The bubble")
 ax1.set_xticks(M_SWEEP, labels=[str(m) for m in M_SWEEP])
 ax1.legend(fontsize=7)
-ax2.plot(M_SWEEP, [measured(f"GPipe m={m}")[0] / base for m in M_SWEEP],
-         label="measured here, 2 CPU processes", **plots.figure_style("measured"))
+ax2.plot(M_SWEEP, [sweep[f"GPipe m={m}"].median / base for m in M_SWEEP],
+         label=f"measured here, {where} (median step)",
+         **plots.figure_style("measured"))
 ax2.plot(M_SWEEP, [(m + 1) / (2 * m) for m in M_SWEEP],
          label="predicted: (m + 1) / (2m)", **plots.figure_style("predicted"))
 ax2.plot([1, 6, 10], [1.0] + [f.value / mp.value for f in tutorial],
@@ -501,25 +609,48 @@ ax2.legend(fontsize=7)
 plt.tight_layout()
 plt.show()
 print(f"[{mp.label}]")
-best_m = min(M_SWEEP, key=lambda m: measured(f"GPipe m={m}")[0])
-gap = measured(f"GPipe m={M_SWEEP[-1]}")[1] - (P - 1) / (M_SWEEP[-1] + P - 1)
-print(f"verdict: fastest here at m = {best_m}; at m = {M_SWEEP[-1]} the bubble is "
-      f"{gap:+.2f} from the formula, which leaves out each micro-batch's fixed "
-      "costs (a send, a receive, Python, smaller and less efficient matmuls)")
+work = {m: max(sum(e - s for lane, s, e, _ in steps[m]["spans"] if lane == f"stage {r}")
+               for r in range(P)) for m in M_SWEEP}
+m_hi = M_SWEEP[-1]
+print(f"the busiest stage's own work: {work[1] * 1e3:.1f} ms at m = 1, "
+      f"{work[m_hi] * 1e3:.1f} ms at m = {m_hi} ({work[m_hi] / work[1]:.2f}x); with "
+      f"that work, the formula's step at m = {m_hi} is "
+      f"{work[m_hi] * (m_hi + P - 1) / m_hi * 1e3:.1f} ms, measured "
+      f"{sweep[f'GPipe m={m_hi}'].median * 1e3:.1f} ms (median)")
+print("verdict: " + (
+    "the machine was busy during the runs - run the cell again"
+    if sweep.disturbed else
+    "the step got shorter: the bubble shrank more than each stage's work grew"
+    if sweep.outcomes[f"GPipe m={m_hi}"] == "faster" else
+    f"no shorter step: each stage's work grew {work[m_hi] / work[1]:.2f}x with the "
+    "micro-batches (fixed costs per micro-batch), eating what the smaller bubble "
+    "saved"))
 
 # %%
 for m in (1, 4):
-    spans = [s for r in runs for s in r[f"GPipe m={m}"][1]]
-    plot_timeline(spans, title=f"GPipe, {P} stage processes, m = {m} "
-                  f"(measured, bubble {bubble(spans):.0%})")
-    plt.show()
+    if bubbles[m] == bubbles[m]:  # not nan: a timeline that can be true
+        plot_timeline(steps[m]["spans"], title=f"GPipe, {where}, m = {m} "
+                      f"(measured, the median step, bubble {bubbles[m]:.0%})")
+        plt.show()
 
 # %% [markdown]
 # Read the two timelines: with `m = 1` the stages take turns; with `m = 4`
 # stage 1 starts its first forward while stage 0 computes the second, and the
 # idle triangles at the start and the end are the bubble. More micro-batches
 # shrink it, until each one is so small that its fixed costs dominate, which
-# is the tutorial's best `split_size` on GPUs and the flattening here.
+# is the tutorial's best `split_size` on GPUs.
+#
+# **Why the step does not get shorter on CPU stages.** The formula assumes
+# that cutting the batch into `m` pieces leaves each stage's work the same.
+# On a CPU it does not: every micro-batch pays the Python and autograd
+# overhead of 16 modules forward and backward, a send and a receive, and its
+# matmuls are `m` times smaller, which one core runs less efficiently. The
+# line above the verdict prints how much each stage's own work grew from
+# `m = 1` to `m = 8`; when it grows about as much as the bubble shrinks, the
+# step stays as long. A stage's CPU seconds beyond its work are its sends
+# and receives: per-micro-batch costs too, which the timeline counts as idle.
+# On GPUs with real model sizes a micro-batch's kernels are long compared
+# with those fixed costs, which is why the tutorial gains.
 #
 # ### 1F1B: the same bubble, less memory
 #
@@ -529,35 +660,33 @@ for m in (1, 4):
 
 # %%
 for name in ("GPipe m=8", "1F1B m=8"):
-    total, idle = measured(name)
-    held = [r[name][2] for r in runs]
-    peak_bytes = [r[name][3] for r in runs]
-    print(f"{name}: {total * 1e3:6.1f} ms, bubble {idle:.2f}; micro-batches held at "
-          f"most {held} and activations kept at most "
-          f"{[f'{b / 2**20:.1f} MiB' for b in peak_bytes]} (stage 0, stage 1)")
-ratio = measured("1F1B m=8")[0] / measured("GPipe m=8")[0]
-print(f"1F1B took {ratio:.2f}x GPipe's time" + (" - about the same" if 0.8 < ratio < 1.25
-      else " - a busy machine disturbed one of the runs (run the cell again)"))
+    step = median_step(ranks, 1, name)
+    print(f"{name}: {report(step, 8, P)[1]}; micro-batches held at most "
+          f"{step['held']}, activations kept at most "
+          f"{[f'{b / 2**20:.2f} MiB' for b in step['kept']]} (stage 0, stage 1)")
+print(ranks[0].value[0][1])
 
 # %% [markdown]
-# Same work, about the same time (the line above says how close), and stage
-# 0 holds 2 micro-batches' worth of activations instead of 8. At scale that is the difference between fitting
-# and not: the activations of a large model's micro-batch are gigabytes.
+# Same work, and the comparison's verdict says whether the times differ;
+# stage 0 holds 2 micro-batches' worth of activations instead of 8 (the
+# saved-tensors hook counts each storage once). At scale that is the
+# difference between fitting and not: the activations of a large model's
+# micro-batch are gigabytes.
 #
-# With four stages, two per core on this machine, the ranks also wait for a
-# core, so the measured bubble mixes both kinds of waiting (on four GPUs it
-# would not):
+# With four stages on a 2-core machine, two stages share each core, so a
+# stage can wait for a core as well as for data; the CPU seconds beside each
+# stage's work tell the two apart (with a GPU per stage, they would not
+# share):
 
 # %%
 P4, M4 = 4, 8
 plans4 = {"GPipe": (M4, orders(simulate(P4, M4, gpipe), P4)),
           "1F1B": (M4, orders(simulate(P4, M4, one_f_one_b), P4))}
-runs4 = [r.value[0] for r in launch(run_pipeline, P4, args=(plans4, 2), timeout=120)]
+ranks4 = launch(run_pipeline, P4, args=(plans4, [list(plans4)], 3), timeout=120)
 for name in plans4:
-    spans = [s for r in runs4 for s in r[name][1]]
-    print(f"{name}, 4 stages, m = {M4}: measured bubble {bubble(spans):.2f} "
-          f"(formula {(P4 - 1) / (M4 + P4 - 1):.2f}); micro-batches held "
-          f"{[r[name][2] for r in runs4]}")
+    step = median_step(ranks4, 0, name)
+    print(f"{name}, 4 stages, m = {M4}: {report(step, M4, P4)[1]}; micro-batches "
+          f"held {step['held']}")
 
 # %% [markdown]
 # ## 5. `torch.distributed.pipelining`
@@ -646,17 +775,19 @@ for r in launch(traced_rank, P, timeout=120, backend="gloo"):  # CPU stages
 # Newer schedules go further than 1F1B. **Zero-bubble** schedules split each
 # backward in two: `I`, the gradient with respect to the stage's input, which
 # the previous stage is waiting for, and `W`, the gradient of the weights,
-# which nobody waits for and so can fill the bubble. **DualPipeV** (from
-# DeepSeek-V3's training) puts two stages on each rank in a V shape (rank 0
-# holds the first and the last) and overlaps a forward of one micro-batch with
-# a backward of another. Each schedule exposes the order it runs; here, rank
-# 0's, with 2 ranks and 4 micro-batches (`0F1` is stage 0's forward of
-# micro-batch 1):
+# which nobody waits for and so can fill the bubble. **DualPipeV** is Sea AI
+# Lab's "cut-in-half" variant of DualPipe, the bidirectional schedule of
+# DeepSeek-V3's training (the DualPipe repository credits them): two stages
+# on each rank in a V shape (rank 0 holds the first and the last), pairing a
+# forward of one micro-batch with a backward of another. Each schedule
+# exposes the order it runs; here, rank 0's, with 2 ranks and 4 micro-batches
+# (`0F1` is stage 0's forward of micro-batch 1):
 
 # %%
 def zero_bubble_rank(rank, world_size):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
+        OVERLAP_F_B,
         ScheduleDualPipeV,
         ScheduleZBVZeroBubble,
     )
@@ -677,27 +808,50 @@ def zero_bubble_rank(rank, world_size):
         else:
             schedule.step()
         shown[cls.__name__] = [str(a) for a in schedule.pipeline_order[rank] if a]
+    # a function registered for OVERLAP_F_B would run its two parts together
+    shown["overlap function registered"] = (
+        OVERLAP_F_B in schedule._comp_type_to_function_map)
     return shown
 
 
-for name, order in launch(zero_bubble_rank, P, timeout=120,
-                          backend="gloo")[0].value.items():
-    print(f"{name}, rank 0: {' '.join(order)}")
+shown = launch(zero_bubble_rank, P, timeout=120, backend="gloo")[0].value
+for name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+    print(f"{name}, rank 0: {' '.join(shown[name])}")
+order = shown["ScheduleZBVZeroBubble"]
+later = [a for k, a in enumerate(order)
+         if "W" in a and order[k - 1] != a.replace("W", "I")]
+print(f"zero-bubble: {len(later)} of {sum('W' in a for a in order)} W's run later than "
+      f"right after their I ({' '.join(later)}); DualPipeV: a function registered "
+      f"for OVERLAP_F_B: {shown['overlap function registered']}")
 
 # %% [markdown]
-# In the zero-bubble order, `I` and `W` appear separately, and the `W`s
-# gather at the end, where GPipe and 1F1B would idle. DualPipeV's
-# `OVERLAP_F_B` entries run a forward and a backward of different
-# micro-batches together, so one's communication hides behind the other's
-# computation.
+# In the zero-bubble order, `I` and `W` are separate entries, so the
+# schedule may run a `W` later, in a moment where the rank would otherwise
+# wait for a neighbour; the line above counts the `W`s it moved (in this
+# small case, 4 micro-batches on 2 ranks, none: each follows its `I`). DualPipeV's
+# `OVERLAP_F_B` entries pair a forward and a backward of different
+# micro-batches so that one's communication can hide behind the other's
+# computation - but in torch 2.13 the runtime runs the two parts **one after
+# the other** unless a function is registered for `OVERLAP_F_B`
+# (`schedule.register_custom_function`), as the line above shows: the overlap
+# itself is left to the model's code.
 #
 # ## 6. Pipeline and data parallelism together
 #
 # Large models combine both: the layers are split into `p` pipeline stages,
-# and the whole pipeline is replicated `d` times for data parallelism - the
-# seeds' "model parallelism inside a node, data parallelism across nodes", as
-# GPT-3-sized models are trained (and, inside each stage, tensor parallelism,
-# a later chapter). A **device mesh** names the groups: with 4 ranks as a
+# and the whole pipeline is replicated `d` times for data parallelism.
+#
+# **Claim** (the seeds): model parallelism inside a node, data parallelism
+# across nodes. **Published**: the Megatron-LM paper that seed 002 cites
+# (Narayanan et al., SC '21, arXiv 2104.04473) puts *tensor* parallelism
+# (each layer's matmuls split across GPUs, a later chapter) inside a node,
+# up to its GPU count, and *pipeline* parallelism across nodes, with data
+# parallelism on top. **Why**: tensor parallelism communicates inside every
+# layer, so it needs the node's fast links; a pipeline sends only one
+# activation per stage boundary and micro-batch, which the slower links
+# between nodes can carry.
+#
+# A **device mesh** names the groups: with 4 ranks as a
 # 2 x 2 mesh, the `pp` dimension pairs the two stages of each replica, the
 # `dp` dimension pairs the two replicas of each stage. Each replica pipelines
 # its half of the batch; then each stage all-reduces its gradients with its
@@ -749,13 +903,16 @@ for stage_index, replica, grads in mesh_ranks:
 #   (`h.backward(h_in.grad)`), as pipeline stages do.
 # - In one process, micro-batches overlap only on GPUs (asynchronous
 #   launches); stages in separate processes overlap anywhere.
-# - GPipe's bubble is `(p - 1) / (m + p - 1)`; per-micro-batch costs keep the
-#   measured one above it and give the best micro-batch size. 1F1B has the
+# - GPipe's bubble is `(p - 1) / (m + p - 1)`, a floor: a measured bubble
+#   below it is a measurement error. Per-micro-batch costs keep the measured
+#   one above it, and on CPU stages they grow each stage's work with `m`, so
+#   the step need not get shorter. 1F1B has the
 #   same bubble and holds at most `p - s` micro-batches on stage `s`;
 #   interleaving divides the bubble by the chunks per rank; zero-bubble
 #   schedules fill it with weight gradients.
 # - `torch.distributed.pipelining` provides stages (by hand or traced) and
-#   the schedules; a device mesh combines pipeline and data parallelism.
+#   the schedules; a device mesh combines pipeline and data parallelism
+#   (tensor parallelism inside a node, pipelines across nodes).
 
 # %% [markdown]
 # ## Exercises
