@@ -64,6 +64,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed import constants
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -74,8 +75,9 @@ from course_utils.checks.ch06 import (
     check_epoch_batches,
     check_save_then_load,
 )
+from course_utils.compare import Stalled, wait_while_working
 from course_utils.devices import usable_cores
-from course_utils.dist import free_port, launch, stop_tree
+from course_utils.dist import LaunchTimeout, free_port, launch, stop_tree
 from course_utils.plots import plot_time_vs_size, plot_timeline
 
 banner();
@@ -119,8 +121,15 @@ def hello(rank, world_size):
     return os.getpid()
 
 
+start = time.perf_counter()
 results = launch(hello, nprocs=2)
 print("notebook process:", os.getpid(), "- rank processes:", [r.value for r in results])
+# the first launch starts a process that imports torch: this machine's start-up
+# time now, busy or not; the demos below that start processes wait a multiple
+STARTUP_S = time.perf_counter() - start
+LIMIT_S = min(90.0, max(30.0, 15 * STARTUP_S))
+print(f"starting the ranks took {STARTUP_S:.1f} s: demos below may take "
+      f"{LIMIT_S:.0f} s")
 
 # %% [markdown]
 # Every rank ran the *same* function and learned which part it plays only from
@@ -254,25 +263,34 @@ if __name__ == "__main__":
 # role and local rank (`[default0]:`), so that the lines of two ranks never mix.
 
 # %%
-def run_command(cmd, timeout=90, env=None, attempts=1):
-    """Run a command, print what it printed; fail the cell if every attempt failed."""
+def run_command(cmd, env=None, attempts=1):
+    """Run a command, print what it printed; fail the cell if every attempt failed.
+
+    No fixed time limit: it may run while it works (LIMIT_S at most); no CPU
+    used for 15 s means it is stuck, and a stuck or crashed run is tried again.
+    """
     for attempt in range(1, attempts + 1):
         print("$", " ".join(map(str, cmd)))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env)
+        out, err = WORK / "command.out", WORK / "command.err"  # files: a full pipe
+        with open(out, "w") as o, open(err, "w") as e:        # could stall the job
+            proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env)
         try:
-            out, err = proc.communicate(timeout=timeout)
-        finally:
-            if proc.returncode is None:  # a timeout or an interrupt: torchrun's
-                stop_tree([proc.pid])  # workers have sessions of their own: end the tree
-        print(out, end="")
-        if proc.returncode == 0:
+            wait_while_working([proc], limit_s=LIMIT_S)
+            failed = proc.returncode and f"exit code {proc.returncode}"
+        except Stalled as stalled:
+            failed = str(stalled)
+        finally:  # torchrun's workers have sessions of their own: end the tree
+            if proc.poll() is None:
+                stop_tree([proc.pid])
+        print(out.read_text(), end="")
+        if not failed:
             return
-        failed = f"exit code {proc.returncode}:\n{err[-3000:]}"
-        if attempt < attempts:
-            print(f"FAILED with exit code {proc.returncode}. The end of its log:",
-                  *err.splitlines()[-8:], "-> trying once more", sep="\n")
-    raise RuntimeError(failed)
+        log = err.read_text().splitlines()[-8:]
+        if attempt == attempts or "still working" in failed:  # busy: no retry
+            raise RuntimeError("\n".join([f"FAILED: {failed}. The end of its log:",
+                                           *log]))
+        print(f"FAILED: {failed}. The end of its log:", *log, "-> trying once more",
+              sep="\n")
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -911,69 +929,51 @@ print("the local losses were", [v[0] for v in values])
 # `--node_rank`), where each node's rank is fixed by hand. A c10d rendezvous
 # also lets a job restart with nodes that replace failed ones.
 #
-# We start two "nodes" on this machine, one process each, at the same time.
+# `torchrun` itself is a thin command line over
+# `torch.distributed.launcher.api.elastic_launch`: it turns its arguments into a
+# `LaunchConfig` and runs the *agent*, which joins the rendezvous, then starts
+# and watches the workers. Started as a command, each agent and each worker is a
+# fresh interpreter that imports torch (the run in section 2 showed the cost). So
+# below, each of two "nodes" on this machine is a forked process that runs the
+# very same agent and rendezvous code, with `start_method="fork"` for its worker.
+# The command line each node would run is printed first.
 
 # %%
-def node_env(i):
-    """Each "node" sees only its own GPU, as a real machine would; none if short."""
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")  # respect a mapping set outside
-    visible = inherited.split(",") if inherited else [str(k) for k in range(gpus)]
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": visible[i] if gpus >= 2 else ""}
+def run_path(path):
+    """A worker's entry point: the script, run as torchrun would run it."""
+    runpy.run_path(str(path), run_name="__main__")
 
 
-TWO_NODES_TIMEOUT_S = 25  # the run takes about 6 s here, 10 s with a core busy
+def node(index, nodes, endpoint, path):
+    """Node ``index`` of ``nodes``: torchrun's agent, for one worker, in this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(gpus)))
+    # each "node" sees only its own GPU, as a real machine would; none if short
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if gpus >= 2 else ""
+    config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=1,
+                          rdzv_backend="c10d", rdzv_endpoint=endpoint,
+                          run_id="ch06", max_restarts=0, start_method="fork")
+    elastic_launch(config, run_path)(path)  # = torchrun's main()
 
 
-def run_two_nodes(timeout=TWO_NODES_TIMEOUT_S):
-    """Start one torchrun agent per "node"; (command, [(exit code, out, err)])."""
-    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--tee=3",
-                      "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-                      "--rdzv_id=ch06", "--rdzv_conf=join_timeout=60"]
-    # output to files, not pipes: a pipe nobody reads yet can fill up and stop
-    # the agent writing to it, and with it the whole job
-    logs = [(WORK / f"node{i}.out", WORK / f"node{i}.err") for i in range(2)]
-    nodes = []
-    try:
-        for i, (out, err) in enumerate(logs):
-            with open(out, "w") as o, open(err, "w") as e:
-                nodes.append(subprocess.Popen(cmd + [f"--node_rank={i}", str(SCRIPT)],
-                                              env=node_env(i), stdout=o, stderr=e))
-        deadline = time.monotonic() + timeout
-        for node in nodes:
-            node.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:  # after a failure or a timeout: end both agents and their workers
-        stop_tree([node.pid for node in nodes if node.poll() is None])
-    return cmd, [(node.returncode, out.read_text(), err.read_text())
-                 for node, (out, err) in zip(nodes, logs, strict=True)]
-
-
-for attempt in (1, 2):  # a second try only after a hang or a crash, shown first
-    try:
-        cmd, finished = run_two_nodes()
-    except subprocess.TimeoutExpired:
-        if attempt == 2:
-            raise
-        print(f"the two nodes did not finish within {TWO_NODES_TIMEOUT_S} s; both were "
-              "stopped. The end of node 0's log:", *(WORK / "node0.err").read_text().splitlines()[-5:],
-              "-> trying once more, on a new port", sep="\n")
-        continue
-    crashed = [(i, code, err) for i, (code, _, err) in enumerate(finished) if code]
-    if not crashed or attempt == 2:
-        break
-    i, code, err = crashed[0]
-    print(f"FAILED: node {i} exited with code {code}. The end of its log:",
-          *err.splitlines()[-5:], "-> trying once more, on a new port", sep="\n")
-print("$", " ".join(map(str, cmd)), "--node_rank=0|1", SCRIPT)
-for i, (code, out, err) in enumerate(finished):
-    for line in out.splitlines() + [e for e in err.splitlines() if "node_rank" in e]:
-        print(f"[node {i}] {line}")
-    if code != 0:
-        raise RuntimeError(f"node {i} failed:\n{err[-3000:]}")
+endpoint = f"127.0.0.1:{free_port()}"
+print("$ torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d "
+      f"--rdzv_endpoint={endpoint} --rdzv_id=ch06 {SCRIPT.name}  # on each node")
+start = time.perf_counter()
+try:
+    finished = launch(node, nprocs=2, args=(endpoint, SCRIPT), init=False,
+                      timeout=LIMIT_S, echo=False)
+except LaunchTimeout:
+    print(f"load {os.getloadavg()[0]:.1f} on {usable_cores()} cores: if that is more "
+          "than the cores, the machine was busy - run the cell again")
+    raise
+for i, r in enumerate(finished):
+    print(*(f"[node {i}] {line}" for line in r.stdout.splitlines()), sep="\n")
+print(f"the two nodes took {time.perf_counter() - start:.1f} s in all")
 
 # %% [markdown]
 # Each node printed its own line, and both hold the same weights. The node
 # numbers come from the c10d rendezvous, which sorts the agents by host name and
-# process id, not from `--node_rank`. On this machine both
+# process id (a `--node_rank` would be ignored). On this machine both
 # "nodes" share one file system, so rank 1 could read the checkpoint that rank 0
 # wrote; on a real cluster the checkpoint directory must be on a shared file
 # system (or each node saves and loads its own copy).
@@ -1367,8 +1367,9 @@ context = mp.spawn(spawned_ranks.main, args=(2, free_port(), results_queue), npr
                    join=False)
 try:
     while not context.join(timeout=1):  # True once every process has ended
-        if time.perf_counter() - start > 60:
-            raise TimeoutError("the spawned ranks did not finish in 60 s")
+        if time.perf_counter() - start > LIMIT_S:  # derived from the start-up time
+            raise TimeoutError(f"the spawned ranks did not finish in {LIMIT_S:.0f} s; "
+                               f"load {os.getloadavg()[0]:.1f}: was the machine busy?")
 finally:
     stop_tree([p.pid for p in context.processes if p.is_alive()])
 for index, pid, total in sorted(results_queue.get() for _ in range(2)):
@@ -1424,11 +1425,24 @@ dist.destroy_process_group()
 
 # %%
 (WORK / "elastic.pt").unlink(missing_ok=True)
+
+
+def elastic_agent(rank, world_size, path):
+    """torchrun --standalone --nproc_per_node=2 --max-restarts=1, in this process."""
+    # the workers host their own store (see below): restarts reconnect reliably
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=1,
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                          run_id="elastic", monitor_interval=0.2, start_method="fork")
+    elastic_launch(config, run_path)(path)
+
+
+print("$ torchrun --standalone --nproc_per_node=2 --max-restarts=1", ELASTIC.name)
 start = time.perf_counter()
-# the workers host their own store (see below): restarts reconnect reliably
-own_store = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-run_command(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                        "--monitor-interval=0.2", "--tee=3", ELASTIC], env=own_store)
+agent = launch(elastic_agent, nprocs=1, args=(ELASTIC,), init=False, timeout=LIMIT_S,
+               echo=False)[0]
+print(agent.stdout, end="")
+print("what ended attempt 0:", *(e for e in agent.stderr.splitlines() if "fails" in e))
 print(f"two attempts took {time.perf_counter() - start:.1f} s")
 
 # %% [markdown]
