@@ -1,0 +1,643 @@
+"""Checkers for Chapter 10 (tensor and sequence parallelism).
+
+Each runs the learner's code on real ranks (``course_utils.dist.launch``, gloo
+on CPU ranks on any machine, with a timeout) and judges what it does:
+
+- 10.1: head-parallel attention on 2 and 3 ranks with odd sizes (float32 and
+  float64): output, ``x.grad`` and weight gradients against one process, and
+  which heads each rank really computed (from its weight gradients);
+- 10.2: a tensor-parallel plan for a Llama-style model on 2 ranks, with and
+  without sequence parallelism: loss and every gradient against one process,
+  every linear sharded, and the forward collectives counted by CommDebugMode;
+- 10.3: predicted collective counts against the counts of real training steps
+  of the chapter's GPT at depths 1 and 4 (measured once, then cached).
+
+The ``_*_rank`` functions take a list of answers, so that the tests can judge
+many answers in one launch; the checkers pass one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_utils.dist import LaunchTimeout, RankFailed, launch
+from course_utils.exercises import call_learner, fail, passed, require_solution
+
+TIMEOUT_S = 60  # a rank that waits longer waits for a collective nobody else calls
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple) -> list:
+    """Launch ``rank_fn`` on ``world_size`` gloo ranks; a failure becomes a message."""
+    try:
+        return [r.value for r in launch(rank_fn, world_size, args=args,
+                                        timeout=TIMEOUT_S, backend="gloo",
+                                        echo=False)]
+    except RankFailed as e:
+        first = str(e).splitlines()[0]
+        fail(exercise, "every rank to finish", first[:200],
+             "every rank must call the same collectives, in the same order")
+    except LaunchTimeout as e:
+        fail(exercise, "every rank to finish", str(e).splitlines()[0],
+             "a rank waited in a collective that another rank never called: every "
+             "rank must call the same collectives, in the same order")
+
+
+def _error(e: Exception) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+# ---------------------------------------------------------------- exercise 10.1
+
+# (world size, batch, seq, heads, head width, dtype, seed): odd sizes
+ATTENTION_CASES = ((2, 3, 5, 4, 3, torch.float32, 0),
+                   (3, 2, 7, 6, 5, torch.float64, 1))
+
+
+def _attention_inputs(case):
+    _, b, s, n_heads, head_dim, dtype, seed = case
+    dim = n_heads * head_dim
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, dim, generator=g, dtype=dtype)
+    weights = [torch.randn(dim, dim, generator=g, dtype=dtype) / math.sqrt(dim)
+               for _ in range(4)]
+    grad_out = torch.randn(b, s, dim, generator=g, dtype=dtype)
+    return x, weights, grad_out
+
+
+def one_process_attention(x, wq, wk, wv, wo, n_heads):
+    """Causal multi-head self-attention in one process: the reference."""
+    b, s, dim = x.shape
+    q, k, v = (F.linear(x, w).view(b, s, n_heads, dim // n_heads).transpose(1, 2)
+               for w in (wq, wk, wv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.linear(out.transpose(1, 2).reshape(b, s, dim), wo)
+
+
+def _attention_rank(rank: int, world_size: int, fns: list, case) -> list:
+    results = []
+    x, weights, grad_out = _attention_inputs(case)
+    for fn in fns:
+        xs = x.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in weights]
+        try:
+            out = fn(xs, *ws, case[3])
+            if not isinstance(out, torch.Tensor):
+                results.append({"error": f"it returned a {type(out).__name__}"})
+                continue
+            if out.requires_grad:
+                (out * grad_out).sum().backward()
+            results.append({"out": out.detach(), "x_grad": xs.grad,
+                            "w_grads": [w.grad for w in ws],
+                            "requires_grad": out.requires_grad})
+        except Exception as e:  # both ranks raise alike: no collective is left waiting
+            results.append({"error": _error(e)})
+    return results
+
+
+def _close(a, b, dtype) -> bool:
+    tol = 1e-4 if dtype == torch.float32 else 1e-9
+    return (isinstance(a, torch.Tensor) and a.shape == b.shape
+            and torch.allclose(a.double(), b.double(), rtol=tol, atol=tol))
+
+
+def _heads_used(grads, n_heads: int, head_dim: int) -> set:
+    """The heads whose slices of wq, wk, wv (rows) or wo (columns) got gradient."""
+    used = set()
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        per_head = (g if i < 3 else g.t()).reshape(n_heads, head_dim, -1)
+        used |= {h for h in range(n_heads) if per_head[h].abs().max() > 0}
+    return used
+
+
+def judge_attention(ranks: list[dict], case) -> None:
+    """Fail with the mistake made, for one world size's results of one answer."""
+    ex = "10.1"
+    world, b, s, n_heads, head_dim, dtype, _ = case
+    dim = n_heads * head_dim
+    where = (f"{world} ranks, {n_heads} heads of width {head_dim}, x {b}x{s}x{dim} "
+             f"{str(dtype).replace('torch.', '')}")
+    x, weights, grad_out = _attention_inputs(case)
+    xr = x.clone().requires_grad_()
+    wr = [w.clone().requires_grad_() for w in weights]
+    ref = one_process_attention(xr, *wr, n_heads)
+    (ref * grad_out).sum().backward()
+    for rank, r in enumerate(ranks):
+        if "error" in r:
+            hint = ("reshape with this rank's head count: view(b, s, -1, head_dim), "
+                    "or n_heads // world_size heads"
+                    if "invalid for input of size" in r["error"] else
+                    "keep every tensor in x's dtype (x.dtype), and slice the weights "
+                    "of this rank's heads" if "dtype" in r["error"].lower()
+                    else "fix that error and run the exercise cell again")
+            fail(ex, f"the function to run ({where})",
+                 f"rank {rank}: {r['error']}", hint)
+        if tuple(r["out"].shape) != (b, s, dim):
+            fail(ex, f"an output of shape {(b, s, dim)} on every rank ({where})",
+                 f"shape {tuple(r['out'].shape)} on rank {rank}",
+                 "return the full output (all heads, summed over the ranks), not "
+                 "this rank's slice")
+        if not r["requires_grad"]:
+            fail(ex, f"an output that autograd can differentiate ({where})",
+                 "an output with requires_grad=False",
+                 "use the weights and x themselves (no .detach(), .data or "
+                 "torch.no_grad()), and an autograd Function around the all-reduce")
+    outs = [r["out"] for r in ranks]
+    total = sum(o.double() for o in outs)
+    for rank, out in enumerate(outs):
+        if _close(out, ref, dtype):
+            continue
+        if _close(total, ref, dtype):
+            fail(ex, f"the full attention output on every rank ({where})",
+                 f"rank {rank} returned its own heads' partial sum",
+                 "all-reduce the output projection's partial sums (the g operator: "
+                 "all-reduce forward, identity backward)")
+        if _close(out, world * ref, dtype):
+            fail(ex, f"the attention output ({where})",
+                 f"{world} times the output on rank {rank}",
+                 "each rank must compute only its own heads before the all-reduce "
+                 "sums them")
+        fail(ex, f"the attention output equal to one process ({where})",
+             f"a largest difference of {(out.double() - ref.double()).abs().max():.3g}"
+             f" on rank {rank}",
+             "rank r's heads are rows r*dim/world:(r+1)*dim/world of wq, wk and wv "
+             "and the same columns of wo; reshape with view(b, s, -1, head_dim)")
+    heads = [_heads_used(r["w_grads"], n_heads, head_dim) for r in ranks]
+    for rank, used in enumerate(heads):
+        if len(used) != n_heads // world:
+            fail(ex, f"{n_heads // world} of the {n_heads} heads computed on each "
+                 f"rank ({where})", f"rank {rank} used the weights of "
+                 f"{len(used)} heads: {sorted(used)}",
+                 "split the heads by dist.get_world_size(): each rank computes "
+                 "n_heads / world_size heads, and only those")
+    if set().union(*heads) != set(range(n_heads)):
+        fail(ex, f"every head computed by one rank ({where})",
+             f"heads per rank {[sorted(h) for h in heads]}",
+             "rank r takes the r-th block of heads (use dist.get_rank())")
+    for rank, r in enumerate(ranks):
+        gx = r["x_grad"]
+        if gx is None:
+            fail(ex, f"x.grad on every rank ({where})", f"None on rank {rank}",
+                 "compute from x itself so that the gradient reaches it")
+        if _close(gx, xr.grad, dtype):
+            continue
+        if _close(gx, world * xr.grad, dtype):
+            fail(ex, f"x.grad equal to one process ({where})",
+                 f"{world} times it on rank {rank}",
+                 "the backward of the output's all-reduce must pass the gradient "
+                 "through unchanged (identity); only the f operator, where x enters, "
+                 "all-reduces gradients")
+        fail(ex, f"x.grad equal to one process on every rank ({where})",
+             f"rank {rank}'s x.grad is only its own heads' share",
+             "wrap x in the f operator (identity forward, all-reduce of the "
+             "gradient backward) before the projections")
+    names = ("wq", "wk", "wv", "wo")
+    for i, name in enumerate(names):
+        total = sum(r["w_grads"][i].double() for r in ranks)
+        if _close(total, wr[i].grad, dtype):
+            continue
+        seen = (f"{world} times the gradient"
+                if _close(total, world * wr[i].grad, dtype) else "another gradient")
+        fail(ex, f"{name}'s gradient, summed over the ranks, equal to one process "
+             f"({where})", seen,
+             "the output all-reduce's backward is the identity: a second "
+             "all-reduce there multiplies every gradient by the world size")
+
+
+def _check_attention_answers(fns: list, world_size: int) -> list[list[dict]]:
+    """Run several answers at one world size; per answer, each rank's result."""
+    case = next(c for c in ATTENTION_CASES if c[0] == world_size)
+    ranks = _run("10.1", _attention_rank, world_size, (fns, case))
+    return [[ranks[r][i] for r in range(world_size)] for i in range(len(fns))]
+
+
+def check_head_parallel_attention(head_parallel_attention: Callable) -> None:
+    """Exercise 10.1: attention split by heads, equal to one process both ways."""
+    ex = "10.1"
+    require_solution(ex, head_parallel_attention)
+    for case in ATTENTION_CASES:
+        answer = _check_attention_answers([head_parallel_attention], case[0])[0]
+        judge_attention(answer, case)
+    passed(ex, "2 and 3 ranks, float32 and float64: output and gradients equal "
+               "to one process, each head computed by one rank.")
+
+
+# ---------------------------------------------------------------- exercise 10.2
+
+class _LlamaAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class _LlamaBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = _LlamaAttention(dim, n_heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = _SwiGLU(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LlamaLike(nn.Module):
+    """Exercise 10.2's model: RMSNorm, attention, SwiGLU; no position embedding."""
+
+    def __init__(self, vocab: int = 40, dim: int = 24, n_heads: int = 4,
+                 hidden: int = 36, n_layers: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_LlamaBlock(dim, n_heads, hidden)
+                                    for _ in range(n_layers))
+        self.final_norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.final_norm(x))
+
+
+def exercise_model() -> LlamaLike:
+    """The model of Exercise 10.2, with its default sizes (to print)."""
+    torch.manual_seed(0)
+    return LlamaLike()
+
+
+SHARDED = ("attention.q_proj", "attention.k_proj", "attention.v_proj",
+           "attention.out_proj", "feed_forward.gate", "feed_forward.up",
+           "feed_forward.down")
+
+
+def _counts(mode) -> dict[str, int]:
+    short: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1].replace("_into_tensor", "").replace(
+            "_tensor", "").replace("_base", "")
+        short[name] = short.get(name, 0) + n
+    return short
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _plan_rank(rank: int, world_size: int, fns: list, seed: int = 0) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    warnings.filterwarnings("ignore", message=".*Full backward hook")
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(seed)
+    tokens, targets = torch.randint(0, 40, (2, 3, 8), generator=g)
+    torch.manual_seed(seed)
+    ref = LlamaLike()
+    ref_loss = F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    results = []
+    for fn in fns:
+        per_mode = {}
+        for sp in (False, True):
+            try:
+                torch.manual_seed(seed)
+                model = LlamaLike()
+                returned = fn(model, mesh, sp)
+                if isinstance(returned, nn.Module):
+                    model = returned
+                params = dict(model.named_parameters())
+                sharded = {}
+                for i in range(len(model.layers)):
+                    for name in SHARDED:
+                        p = params[f"layers.{i}.{name}.weight"]
+                        sharded[f"layers.{i}.{name}"] = (
+                            isinstance(p, DTensor)
+                            and p.to_local().numel() < p.numel())
+                with CommDebugMode() as fwd:
+                    logits = model(tokens)
+                logits = _full(logits)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                with CommDebugMode() as bwd:
+                    loss.backward()
+                diffs = {}
+                for n, p in params.items():
+                    grad = None if p.grad is None else _full(p.grad)
+                    diffs[n] = (float("inf") if grad is None or grad.shape
+                                != ref_grads[n].shape else
+                                (grad - ref_grads[n]).abs().max().item())
+                per_mode[sp] = {"loss": loss.item(), "ref_loss": ref_loss.item(),
+                                "forward": _counts(fwd), "backward": _counts(bwd),
+                                "sharded": sharded, "grad_diffs": diffs,
+                                "layers": len(model.layers)}
+            except Exception as e:
+                per_mode[sp] = {"error": _error(e)}
+        results.append(per_mode)
+    return results
+
+
+def judge_plan(per_mode: dict) -> None:
+    """Fail with the mistake made, from one answer's results on rank 0."""
+    ex = "10.2"
+    for sp in (False, True):
+        r = per_mode[sp]
+        mode = f"sequence_parallel={sp}"
+        if "error" in r:
+            err = r["error"]
+            hint = ("a row-parallel layer takes the column-parallel output as it is "
+                    "(sharded on the last dimension): pair ColwiseParallel on q, k, "
+                    "v, gate and up with RowwiseParallel on out_proj and down"
+                    if any(k in err for k in ("mat1 and mat2", "size of tensor a",
+                                              "shape", "match"))
+                    else "a DTensor met a plain tensor: every linear on the way "
+                    "needs a style, and under SP the sequence must be gathered "
+                    "before a replicated input" if "mixed torch.Tensor and DTensor"
+                    in err else "fix that error and run the exercise cell again")
+            fail(ex, f"the plan to run ({mode})", err, hint)
+        flat = [n for n, ok in r["sharded"].items() if not ok]
+        if flat:
+            fail(ex, f"every linear inside the blocks sharded ({mode})",
+                 f"{flat[0]}.weight is a full copy on every rank"
+                 + (f" (and {len(flat) - 1} more)" if len(flat) > 1 else ""),
+                 "give it a ColwiseParallel or RowwiseParallel style in the plan")
+        n = r["layers"]
+        fwd = {c: r["forward"].get(c, 0) for c in COLLECTIVES}
+        if abs(r["loss"] - r["ref_loss"]) > 1e-5:
+            fail(ex, f"the loss of one process, {r['ref_loss']:.6f} ({mode})",
+                 f"{r['loss']:.6f}",
+                 "under sequence parallelism attention and the feed-forward need "
+                 "the whole sequence: PrepareModuleInput from Shard(1) to "
+                 "Replicate() on each (the embedding's output_layouts=Shard(1) "
+                 "starts the sharded stream)" if sp else
+                 "pair ColwiseParallel (q, k, v, gate, up) with RowwiseParallel "
+                 "(out_proj, down), and leave the norms alone")
+        bad = {k: v for k, v in r["grad_diffs"].items() if not v <= 1e-5}
+        if bad:
+            first = next(iter(bad))
+            norms = all("norm" in k for k in bad)
+            fail(ex, f"every gradient equal to one process ({mode})",
+                 f"{first} differs by {bad[first]:.3g}"
+                 + (f" ({len(bad)} parameters differ)" if len(bad) > 1 else ""),
+                 "each rank's norm saw only its part of the sequence, so its weight "
+                 "gradient is a share: mark the norms SequenceParallel() so that "
+                 "DTensor sums it" if norms and sp else
+                 "compare your plan with the chapter's parallelize_gpt")
+        if not sp:
+            if fwd["all_gather"] > 1 or fwd["reduce_scatter"]:
+                fail(ex, f"no all-gather inside the blocks ({mode})",
+                     f"{fwd['all_gather']} all-gathers and {fwd['reduce_scatter']} "
+                     "reduce-scatters in the forward",
+                     "a column-parallel layer should hand its sharded output to a "
+                     "row-parallel one, not gather it: RowwiseParallel on out_proj "
+                     "and down, default outputs on the others")
+            if fwd["all_reduce"] not in (2 * n, 2 * n + 1):
+                fail(ex, f"one all-reduce per attention and per feed-forward, "
+                     f"{2 * n} (+1 for the embedding) ({mode})",
+                     f"{fwd['all_reduce']} all-reduces in the forward",
+                     "each sublayer is one column-parallel step and one "
+                     "row-parallel step")
+        else:
+            if fwd["all_reduce"]:
+                fail(ex, f"no all-reduce in the forward ({mode})",
+                     f"{fwd['all_reduce']} all-reduces",
+                     "with sequence parallelism the row-parallel layers return "
+                     "sequence shards (output_layouts=Shard(1)), a reduce-scatter "
+                     "instead of an all-reduce")
+            if fwd["reduce_scatter"] not in (2 * n, 2 * n + 1):
+                fail(ex, f"one reduce-scatter per attention and per feed-forward, "
+                     f"{2 * n} (+1 for the embedding) ({mode})",
+                     f"{fwd['reduce_scatter']} reduce-scatters in the forward",
+                     "RowwiseParallel(output_layouts=Shard(1)) on out_proj and down")
+            if fwd["all_gather"] > 2 * n + 2:
+                fail(ex, f"at most {2 * n + 2} all-gathers in the forward ({mode})",
+                     f"{fwd['all_gather']}",
+                     "gather the sequence once before attention and once before "
+                     "the feed-forward, not once per linear")
+
+
+def _check_plan_answers(fns: list) -> list[dict]:
+    ranks = _run("10.2", _plan_rank, 2, (fns,))
+    return ranks[0]
+
+
+def check_parallelize_plan(parallelize_llama: Callable) -> None:
+    """Exercise 10.2: a TP (and TP+SP) plan, equal to one process, counted."""
+    ex = "10.2"
+    require_solution(ex, parallelize_llama)
+    judge_plan(_check_plan_answers([parallelize_llama])[0])
+    passed(ex, "TP and TP+SP on 2 ranks: loss and gradients equal to one process, "
+               "every linear sharded, one collective per sublayer in the forward.")
+
+
+# ---------------------------------------------------------------- exercise 10.3
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False)
+                                              for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _Attention(dim, n_heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
+                                 nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _GPT(nn.Module):
+    """The chapter's GPT (section 3), for measuring the real counts."""
+
+    def __init__(self, n_layers: int, vocab: int = 64, dim: int = 32,
+                 n_heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_Block(dim, n_heads) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _parallelize_gpt(model, mesh, sequence_parallel: bool, loss_parallel: bool):
+    """The chapter's ``parallelize_gpt``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    seq = Shard(1)
+    between = seq if sequence_parallel else Replicate()
+    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=between),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(output_layouts=between)}
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(seq,),
+                                    desired_input_layouts=(Replicate(),))
+        plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
+                 "attn": gather, "mlp": gather}
+    for layer in model.layers:
+        parallelize_module(layer, mesh, plan)
+    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+           "head": ColwiseParallel(
+               input_layouts=between,
+               output_layouts=Shard(-1) if loss_parallel else Replicate(),
+               use_local_output=not loss_parallel)}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    return model
+
+
+DEPTHS = (1, 4)
+MODES = tuple((sp, lp) for sp in (False, True) for lp in (False, True))
+
+
+def _counts_rank(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    warnings.filterwarnings("ignore", message=".*Full backward hook")
+    mesh = init_device_mesh("cpu", (world_size,))
+    tokens, targets = torch.randint(0, 64, (2, 2, 8),
+                                    generator=torch.Generator().manual_seed(0))
+    measured = {}
+    for depth in DEPTHS:
+        for sp, lp in MODES:
+            torch.manual_seed(0)
+            model = _parallelize_gpt(_GPT(depth), mesh, sp, lp)
+            with CommDebugMode() as step:
+                with CommDebugMode() as fwd:
+                    logits = model(tokens)
+                if lp:
+                    with loss_parallel():
+                        F.cross_entropy(logits.flatten(0, 1),
+                                        targets.flatten()).backward()
+                else:
+                    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+            measured[(depth, sp, lp)] = (_counts(step), _counts(fwd))
+    return measured
+
+
+@functools.lru_cache(maxsize=1)
+def measured_counts() -> dict:
+    """{(depth, sp, lp): (step counts, forward counts)}, measured once on 2 ranks."""
+    return _run("10.3", _counts_rank, 2, ())[0]
+
+
+def _as_counts(ex: str, got, case: str) -> dict[str, int]:
+    if not isinstance(got, dict):
+        fail(ex, f"a dict of counts ({case})", f"a {type(got).__name__}: {got!r:.80}",
+             'return {"all_reduce": ..., "all_gather": ..., "reduce_scatter": ...}')
+    extra = [k for k, v in got.items() if k not in COLLECTIVES and v]
+    if extra:
+        fail(ex, f"only the keys {', '.join(COLLECTIVES)} ({case})",
+             f"the key {extra[0]!r}", "name the collectives as the chapter's table")
+    counts = {}
+    for c in COLLECTIVES:
+        v = got.get(c, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+            fail(ex, f"a whole number for {c} ({case})", f"{v!r:.40}")
+        counts[c] = int(v)
+    return counts
+
+
+def check_predicted_counts(predict_collectives: Callable) -> None:
+    """Exercise 10.3: collectives per training step, predicted, then measured."""
+    ex = "10.3"
+    require_solution(ex, predict_collectives)
+    measured = measured_counts()
+    for (depth, sp, lp), (step, forward) in measured.items():
+        case = (f"n_layers={depth}, sequence_parallel={sp}, loss_parallel={lp}")
+        got = _as_counts(ex, call_learner(ex, predict_collectives, depth, sp, lp),
+                         case)
+        want = {c: step.get(c, 0) for c in COLLECTIVES}
+        if got == want:
+            continue
+        fwd = {c: forward.get(c, 0) for c in COLLECTIVES}
+        hint = "count the forward's collectives, then what each becomes backward"
+        if got == fwd:
+            hint = ("those are the forward's collectives only: the backward has its "
+                    "own (the f operators' all-reduces, and under SP each "
+                    "all-gather's reduce-scatter and the reverse)")
+        elif any(got == {c: measured[(d, sp, lp)][0].get(c, 0) for c in COLLECTIVES}
+                 for d in DEPTHS if d != depth) or got == {
+                     "all_reduce": 14, "all_gather": 1, "reduce_scatter": 0}:
+            hint = ("the same counts at every depth: each block adds its own "
+                    "collectives, so the counts grow with n_layers")
+        elif sp and got["all_reduce"] > want["all_reduce"]:
+            hint = ("under sequence parallelism each all-reduce became a "
+                    "reduce-scatter plus an all-gather")
+        elif lp and got["all_gather"] > want["all_gather"]:
+            hint = ("loss_parallel keeps the logits sharded by vocabulary: no "
+                    "all-gather of the logits, and three small all-reduces in the "
+                    "cross-entropy")
+        elif not lp and got["all_reduce"] > want["all_reduce"] and not sp:
+            hint = "loss_parallel's three all-reduces only come with loss_parallel"
+        elif got["all_reduce"] + got["all_gather"] + got["reduce_scatter"] == sum(
+                want.values()) and got != want:
+            hint = "the right total, in the wrong kinds: which collective is each?"
+        fail(ex, f"{want} ({case}, measured on 2 ranks)", f"{got}", hint)
+    passed(ex, f"{len(measured)} configurations at depths {DEPTHS}: every count "
+               "predicted.")
