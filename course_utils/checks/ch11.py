@@ -18,26 +18,50 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from course_utils.exercises import call_learner, fail, passed, require_solution
 
 # ---------------------------------------------------------------- exercise 11.1
 
 
-class _Watch(TorchDispatchMode):
-    """Remembers the largest shape of any tensor an operator produced."""
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
-    def __init__(self, limit: int):
+
+class _Watch(TorchDispatchMode):
+    """Catches an operator that handles all S keys at once.
+
+    Either it produces a tensor with two dimensions of at least S (a score
+    matrix or a mask), or it computes (not merely views) with a tensor that
+    holds all of k or v, as a fused attention kernel does.
+    """
+
+    def __init__(self, limit: int, keys: tuple[torch.Tensor, ...]):
         super().__init__()
-        self.limit, self.big = limit, None
+        self.limit, self.keys, self.big = limit, {_storage(t) for t in keys}, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if (isinstance(t, torch.Tensor) and self.big is None
-                    and sum(1 for n in t.shape if n >= self.limit) >= 2):
-                self.big = (str(func).split(".")[1] if "." in str(func) else str(func),
-                            tuple(t.shape))
+        if self.big is not None:
+            return out
+        name = str(func).split(".")[1] if "." in str(func) else str(func)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        long = [t for t in tree_flatten((args, kwargs or {}))[0]
+                if isinstance(t, torch.Tensor)
+                and max(t.shape, default=0) >= self.limit]
+        for t in long:
+            if _storage(t) not in self.keys or any(
+                    _storage(o) == _storage(t) for o in outs):
+                continue  # not k or v, or a view of it
+            if len(long) == 1 and all(o.shape == t.shape for o in outs):
+                self.keys |= {_storage(o) for o in outs}  # a copy or cast: follow it
+            else:
+                self.big = (name, f"all {self.limit} keys at once, shape "
+                                  f"{tuple(t.shape)}")
+        for t in outs:
+            if sum(1 for n in t.shape if n >= self.limit) >= 2:
+                self.big = (name, f"a tensor of shape {tuple(t.shape)}")
         return out
 
 
@@ -81,7 +105,7 @@ def _attention_hint(q, k, v, got, causal, block):
         for start in range(0, s, block):
             stop = min(start + block, s)
             per_block[:, start:stop] = torch.ones(s, stop - start,
-                                                  dtype=torch.bool).tril(-start)
+                                                  dtype=torch.bool).tril()
         local = F.scaled_dot_product_attention(q, k, v, attn_mask=per_block)
         if torch.allclose(got.double(), local.double(), atol=1e-5):
             return ("the causal mask must compare positions in the whole sequence: "
@@ -102,7 +126,7 @@ def check_blockwise_attention(blockwise_attention) -> None:
         copies = [t.clone() for t in (q, k, v)]
         case = (f"shape {(b, h, s, d)}, block {block}, causal={causal}, "
                 f"{str(dtype).replace('torch.', '')}")
-        watch = _Watch(limit=s)
+        watch = _Watch(s, (k, v))
         with watch:
             got = call_learner(ex, blockwise_attention, q, k, v, block, causal)
         if not isinstance(got, torch.Tensor):
@@ -117,8 +141,8 @@ def check_blockwise_attention(blockwise_attention) -> None:
                  f"shape {tuple(got.shape)}", "one output row per query, like q")
         if block < s and watch.big is not None:
             op, shape = watch.big
-            fail(ex, f"no tensor with two dimensions of {s} or more ({case})",
-                 f"{op} made a tensor of shape {shape}",
+            fail(ex, f"no operation on all {s} keys at once, no tensor with two "
+                 f"dimensions of {s} or more ({case})", f"{op} handled {shape}",
                  "compute the scores of one block of keys at a time: "
                  "(S x block), never (S x S), not even for a mask")
         want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
@@ -265,8 +289,9 @@ def _exchange_rank(rank, world_size, plans, x_all, idx_all, gate_all, experts):
     dist.all_to_all_single(e_recv, idx.flatten()[order].contiguous(), recv, send)
     layers = _experts(experts)
     y_recv = torch.zeros_like(x_recv)
+    per_rank = experts // world_size
     with torch.no_grad():
-        for e in set(e_recv.tolist()):
+        for e in range(rank * per_rank, (rank + 1) * per_rank):  # this rank's only
             rows = e_recv == e
             y_recv[rows] = layers[e](x_recv[rows])
     y_back = torch.empty(len(order), WIDTH)
@@ -385,17 +410,17 @@ def check_predict_scores(predict_scores) -> None:
             if all(math.isclose(g, w) for g, w in zip(got, want, strict=True)):
                 continue
             c = seq_len // world_size
-            if layout == "contiguous" and all(
-                    math.isclose(g, (r + 0.5) * c * c) for r, g in enumerate(got)):
+            if layout == "zigzag":
+                hint = ("in the zig-zag layout each rank holds 2 chunks of S / (2N) "
+                        "tokens: count the chunk pairs it computes (key chunk at or "
+                        "before the query chunk), c * c scores each")
+            elif all(math.isclose(g, (r + 0.5) * c * c) for r, g in enumerate(got)):
                 hint = ("the diagonal block is computed whole (its masked half "
                         "too): rank r computes r + 1 full blocks")
             elif all(g > 0 for g in got) and len({round(w / g, 6) for g, w in
                                                   zip(got, want, strict=True)}) == 1:
                 hint = ("the shape is right but not the unit: count query-key "
                         "scores, a block of c queries and c keys being c * c")
-            elif layout == "zigzag":
-                hint = ("in the zig-zag layout each rank holds 2 chunks of "
-                        "S / (2N): count the chunk pairs it computes")
             else:
                 hint = ("rank r holds chunk r of S / N queries and computes the "
                         "blocks of keys at or before it")
