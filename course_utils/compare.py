@@ -14,7 +14,8 @@ faster. So every comparison follows one protocol:
   finished child processes (``resource.getrusage``), and CPU seconds that other
   processes report back (a timed function may return ``{"cpu_s": ...}``, e.g.
   the sum over its ranks or pool workers; add ``"wall_s"`` too if it timed
-  itself, then both figures are taken as they are);
+  itself, then both figures are taken as they are, and ``"all_cpu_s"`` for
+  what those processes used in all, start-up included);
 - busy cores = CPU seconds / wall seconds: a 2x speed-up from two threads
   needs about 2 busy cores, and the verdict says where a speed-up came from
   (more busy cores, or less CPU work);
@@ -275,12 +276,13 @@ def _timed(
     own0, kids0 = time.process_time(), _children_cpu_s()
     tree0 = _tree_cpu_s(pids) if pids else 0.0
     t0 = time.perf_counter()
-    reported_cpu, reported_wall = 0.0, 0.0
+    reported_cpu, reported_wall, elsewhere = 0.0, 0.0, 0.0
     for _ in range(number):
         out = fn()
         if isinstance(out, Mapping):
             reported_cpu += float(out.get("cpu_s", 0.0))
             reported_wall += float(out.get("wall_s", 0.0))
+            elsewhere += float(out.get("all_cpu_s", out.get("cpu_s", 0.0)))
     wall = time.perf_counter() - t0
     tree = _tree_cpu_s(pids) - tree0 if pids else 0.0
     own = time.process_time() - own0 + _children_cpu_s() - kids0 + max(0.0, tree)
@@ -288,7 +290,7 @@ def _timed(
     ours = own + reported_cpu
     others = None
     if load0 is not None and load1 is not None and wall > 0:
-        others = max(0.0, (load1 - load0 - ours) / wall)
+        others = max(0.0, (load1 - load0 - own - elsewhere) / wall)
     if reported_wall > 0:
         return Run(reported_wall / number, reported_cpu / number, others)
     return Run(wall / number, ours / number, others)

@@ -75,7 +75,7 @@ from course_utils.checks.ch06 import (
     check_epoch_batches,
     check_save_then_load,
 )
-from course_utils.compare import Stalled, wait_while_working
+from course_utils.compare import Stalled, compare, wait_while_working
 from course_utils.devices import usable_cores
 from course_utils.dist import LaunchTimeout, free_port, launch, stop_tree
 from course_utils.plots import plot_time_vs_size, plot_timeline
@@ -1541,7 +1541,7 @@ def throughput(rank, world_size, steps, batch):
                 if d.type == "cuda":
                     torch.cuda.synchronize(d)
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
             with quiet() if quiet else contextlib.nullcontext():
                 ddp(x).square().mean().backward()
             opt.step()
@@ -1549,45 +1549,44 @@ def throughput(rank, world_size, steps, batch):
         if d.type == "cuda":
             torch.cuda.synchronize(d)
         timings[name] = (time.perf_counter() - start) / steps
-    return dist.get_backend(), timings
+        timings[name + " CPU"] = (time.process_time() - cpu) / steps
+    timings["all CPU"] = time.process_time()  # since the rank started
+    return timings
 
 
-def scaling(sizes, backend):
-    rows = {}
-    for n in sizes:
-        out = launch(throughput, nprocs=n, args=(6, 64), backend=backend)
-        rows[n] = (out[0].value[0], max(r.value[1]["DDP step"] for r in out),
-                   max(r.value[1]["compute only (no_sync)"] for r in out))
-    return rows
+def per_sample_batch(n, backend, seen):
+    """One launch of n ranks: the time (and CPU seconds) per batch of 64 samples."""
+    def run():
+        out = [r.value for r in launch(throughput, nprocs=n, args=(6, 64),
+                                       backend=backend, echo=False)]
+        seen.setdefault(n, []).append(out)
+        step = max(v["DDP step"] for v in out)  # the slowest rank sets the pace
+        return {"wall_s": step / n, "cpu_s": sum(v["DDP step CPU"] for v in out) / n,
+                "all_cpu_s": sum(v["all CPU"] for v in out)}
+    return run
 
 
-cpu_sizes = list(range(1, min(usable_cores(), 4) + 1))
-measured_rows = {"gloo, CPU ranks": scaling(cpu_sizes, "gloo")}
+top = min(usable_cores(), 4)
+cpu_runs = {}
+result = compare({f"{n} rank{'s' if n > 1 else ''}": per_sample_batch(n, "gloo", cpu_runs)
+                  for n in sorted({1, top})}, repeats=3, warmup=0)
+print("gloo, CPU ranks: time per 64 samples")
+print(result)
+for n, runs in cpu_runs.items():
+    compute = [max(v["compute only (no_sync)"] for v in out) * 1e3 for out in runs]
+    step = [max(v["DDP step"] for v in out) * 1e3 for out in runs]
+    print(f"{n} rank(s): a step took {min(step):.1f}-{max(step):.1f} ms, of which "
+          f"compute alone {min(compute):.1f}-{max(compute):.1f} ms")
 if gpus:  # one GPU per rank, nccl: a real GPU run, even with a single GPU
-    gpu_sizes = [n for n in (1, 2, 4, 8) if n <= gpus]
-    measured_rows["nccl, one GPU per rank"] = scaling(gpu_sizes, "nccl")
-for what, rows in measured_rows.items():
-    base = 64 / rows[1][1]
-    for n, (_, step, compute) in rows.items():
-        rate = n * 64 / step
-        print(f"{what}, {n} rank{'s' if n > 1 else ' '}: {rate:8,.0f} samples/s, "
-              f"{rate / (n * base):4.0%} of {n} x one rank; step {step * 1e3:6.1f} ms "
-              f"of which compute {compute * 1e3:6.1f} ms")
-cpu = measured_rows["gloo, CPU ranks"]
-top = max(cpu)
-gain = top * 64 / cpu[top][1] / (64 / cpu[1][1])
-slower = cpu[top][2] / cpu[1][2]
-waiting = 1 - cpu[top][2] / cpu[top][1]
-print(f"verdict: {top} CPU ranks processed {gain:.1f} x the samples per second of one. "
-      + (f"Each rank computed {slower:.1f} x as slowly as a rank alone (they shared "
-         "the cores, caches and memory bandwidth, or other programs ran). "
-         if slower > 1.2 else "Each rank computed about as fast as a rank alone. ")
-      + f"{max(waiting, 0):.0%} of a step went to the all-reduce that did not "
-      "overlap with the backward pass.")
+    gpu_runs = {}
+    print("nccl, one GPU per rank: time per 64 samples")
+    print(compare({f"{n} GPU(s)": per_sample_batch(n, "nccl", gpu_runs)
+                   for n in (1, 2, 4, 8) if n <= gpus}, repeats=3, warmup=0))
 
 # %% [markdown]
-# Two things keep `n` CPU ranks below `n` times the throughput of one, and the
-# verdict above says how much of each there was here. The ranks of a CPU
+# Two things keep `n` CPU ranks below `n` times the throughput of one; the
+# step and compute ranges above show how much of each there was here, and the
+# busy cores say whether the ranks had a core each. The ranks of a CPU
 # machine share its cores, caches and memory bandwidth, so each may compute
 # more slowly than a rank alone (GPUs do not share their arithmetic, though
 # the ranks of a node share the CPU that feeds them). And part of the gradient
