@@ -672,5 +672,69 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+# link name -> published id of its one-direction bandwidth (Chapter 10)
+_TP_LINKS = {"ndr_infiniband": "ndr_infiniband.bandwidth_per_direction_gbps"}
+
+
+def tp_layer_comm_seconds(tokens: int, hidden: int, tp: int,
+                          link: str = "nvlink_h100", dtype_bytes: int = 2,
+                          collectives: int = 4) -> reference.Figure:
+    """One transformer layer's tensor-parallel collectives per step (Chapter 10).
+
+    Megatron's layer (Q, K, V fused) all-reduces its ``(tokens, hidden)``
+    activation ``collectives`` = 4 times per training step (2 forward, 2
+    backward); with sequence parallelism each becomes a reduce-scatter and an
+    all-gather, the same bytes. Each costs the ring's bandwidth term,
+    ``2 (tp - 1) / tp x bytes / bandwidth`` of the ring's slowest link:
+    ``nvlink_h100`` inside an 8-GPU node (NVSwitch gives every GPU its full
+    NVLink bandwidth), ``ndr_infiniband`` once the ring leaves the node (each
+    GPU's one 400 Gb/s port). No latency, no overlap with compute.
+    """
+    if tp < 2:
+        raise ValueError(f"tp must be at least 2, not {tp}")
+    if link in _TP_LINKS:
+        key = _TP_LINKS[link]
+        e = _entry(key)
+        assert e["unit"] == "GB/s", e
+        bw = float(e["value"]) * 1e9
+    else:
+        bw, key = link_bandwidth(link), LINKS[link][0]
+    nbytes = tokens * hidden * dtype_bytes
+    t = collectives * 2 * (tp - 1) / tp * nbytes / bw
+    return reference.predicted(
+        t, "s", f"{tp} GPUs over {link.replace('_', ' ')}",
+        f"{collectives} ring all-reduces of a ({tokens}, {hidden}) activation, "
+        f"{dtype_bytes} bytes each: {collectives} x 2(t-1)/t x bytes / link "
+        f"bandwidth ({bw / 1e9:.4g} GB/s each way), t={tp}, no latency, no overlap",
+        [key],
+    )
+
+
+def exchange_seconds(sent_bytes: float, peers: int, link: str = "nvlink_h100",
+                     gpu: str = "") -> reference.Figure:
+    """Each GPU sends ``sent_bytes`` in all to ``peers`` others at once (Chapter 11).
+
+    ``collective_latency() + sent_bytes / (link x efficiency)``: the calibrated
+    latency and the rate NCCL reaches on the link. It fits the all-to-all of an
+    expert-parallel layer (each GPU's share for the other ``n - 1``) and one
+    step of ring attention (one K/V block to one neighbour, ``peers=1``) as
+    long as every GPU has its full link bandwidth whatever the mix of peers, as
+    NVSwitch gives inside an 8-GPU node. Uneven splits make the busiest GPU
+    set the time; across nodes the slower network link does.
+    """
+    if peers < 1:
+        raise ValueError(f"peers must be at least 1, not {peers}")
+    rate = achieved_link_bandwidth(link)
+    return reference.predicted(
+        collective_latency() + sent_bytes / rate, "s",
+        gpu or link.replace("_", " "),
+        f"latency {collective_latency() * 1e6:.0f} us + {sent_bytes:.3g} bytes sent "
+        f"to {peers} peer{'s' if peers > 1 else ''} / {rate / 1e9:.4g} GB/s "
+        f"(the rate NCCL reaches), every GPU at its full link bandwidth",
+        [LINKS[link][0], *COLLECTIVE_LATENCY_INPUTS,
+         *(NVLINK_EFFICIENCY_INPUTS if link.startswith("nvlink")
+           else PCIE_EFFICIENCY_INPUTS)])
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
