@@ -274,7 +274,7 @@ def _timed(
     pids = watched()
     load0 = _machine_busy_s()
     own0, kids0 = time.process_time(), _children_cpu_s()
-    tree0 = _tree_cpu_s(pids) if pids else 0.0
+    tree0 = _tree_cpu_s(pids, descendants=True)
     t0 = time.perf_counter()
     reported_cpu, reported_wall, elsewhere = 0.0, 0.0, 0.0
     for _ in range(number):
@@ -284,8 +284,10 @@ def _timed(
             reported_wall += float(out.get("wall_s", 0.0))
             elsewhere += float(out.get("all_cpu_s", out.get("cpu_s", 0.0)))
     wall = time.perf_counter() - t0
-    tree = _tree_cpu_s(pids) - tree0 if pids else 0.0
-    own = time.process_time() - own0 + _children_cpu_s() - kids0 + max(0.0, tree)
+    # a child that ended and was waited for moves from the tree to the
+    # children's rusage, with all its CPU seconds: the sum counts each once
+    tree = _tree_cpu_s(pids, descendants=True) - tree0
+    own = max(0.0, time.process_time() - own0 + _children_cpu_s() - kids0 + tree)
     load1 = _machine_busy_s()
     ours = own + reported_cpu
     others = None
@@ -364,11 +366,12 @@ def compare(
     reports the time per call; by default ``number`` is chosen from the
     warm-up so that a run lasts ``min_run_s`` (the machine's CPU counters tick
     every 10 ms). A function whose work runs in processes this one does not
-    wait for returns ``{"cpu_s": seconds}`` for them, or ``processes`` lists
-    their ids (a pool kept alive: their CPU seconds and their children's are
-    counted). ``tolerance`` is the relative difference below which two times
-    count as equal; ``quiet_cores`` how many cores other programs may use
-    during a run before it is set aside.
+    wait for returns ``{"cpu_s": seconds}`` for them. The CPU seconds of this
+    process's child processes (a pool kept alive, ranks still running) count
+    without that, and so do those of ``processes``, ids of other processes
+    that work for the options. ``tolerance`` is the relative difference below
+    which two times count as equal; ``quiet_cores`` how many cores other
+    programs may use during a run before it is set aside.
     """
     if not options:
         raise ValueError("compare() needs at least one option")
@@ -422,23 +425,32 @@ class Stalled(TimeoutError):
     """Processes did not finish: they stopped working, or ran past the limit."""
 
 
-def _tree_cpu_s(pids: list[int]) -> float:
-    """CPU seconds used so far by these processes and their descendants."""
+def _tree_cpu_s(pids: list[int], descendants: bool = False) -> float:
+    """CPU seconds used so far by these processes and their descendants (with
+    ``descendants``, by this process's descendants too, not by itself)."""
     import psutil
 
-    total = 0.0
-    for pid in pids:
+    tree, seen = [], set()
+    roots = [*pids, *([os.getpid()] if descendants else [])]
+    for pid in roots:
         try:
             proc = psutil.Process(pid)
-            tree = [proc, *proc.children(recursive=True)]
+            family = proc.children(recursive=True)
+            if pid != os.getpid():
+                family.append(proc)
         except psutil.Error:
             continue
-        for p in tree:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
+        for p in family:
+            if p.pid not in seen:
+                seen.add(p.pid)
+                tree.append(p)
+    total = 0.0
+    for p in tree:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
     return total
 
 
