@@ -5,22 +5,25 @@ sharding chapters use it too. Each rank runs ``fn(rank, world_size, *args)``
 inside an initialised process group, as torchrun would run a script. What the
 launcher guarantees:
 
-- **No OpenMP hang.** Ranks are *forked*, so functions defined in the notebook
-  work, and every forked rank runs **one** intra-op thread: GNU OpenMP is not
-  fork-safe, and a forked child that runs a multi-threaded op after its parent
-  did hangs for ever (pytorch/pytorch#17199). One core per rank is also the
-  honest CPU analogue of one device per rank. ``threads=k`` asks for more; the
-  ranks then start in fresh interpreters (spawn), which needs ``fn`` in a
-  ``.py`` module.
-- **CUDA.** While CUDA is not initialised in this process, forked ranks may
-  use their GPUs (nccl); ``course_utils`` asks NVML, not the CUDA driver, how
-  many GPUs there are. Once CUDA is initialised, forked ranks stay on the CPU
-  (gloo, and the launcher says so), a module function is spawned instead, and
-  asking for nccl with a notebook function is refused in one line.
-- **Rendezvous** on a free port of 127.0.0.1 (``MASTER_ADDR``, ``MASTER_PORT``,
-  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); a picked
-  port that something else took in the meantime is retried once.
+- **Ranks start clean.** Ranks are forked from a *forkserver*: a server
+  process started once per notebook as a fresh interpreter (exec, not fork),
+  with torch and ``torch.distributed`` already imported. Whatever the notebook
+  initialised - CUDA, OpenMP's thread pool - never reaches it, so a rank may
+  use its GPU (nccl) and several threads whatever the notebook did before,
+  and starts in a fraction of a second after the first launch. ``fn`` and
+  ``args`` travel by value (cloudpickle), so functions and classes defined
+  in the notebook work. Where there is no forkserver (Windows), fresh
+  interpreters are spawned instead, with the same shipping.
+- **Environment.** Each rank gets this process's environment as it is at the
+  launch (plus ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); variables that torch reads only when
+  it is imported keep the values they had when the server started.
+- **Rendezvous** on a free port of 127.0.0.1; a picked port that something
+  else took in the meantime is retried once.
 - **Backend** ``nccl`` when there is a GPU per rank, ``gloo`` otherwise.
+- **Ranks start together.** With ``init=True`` no rank runs ``fn`` before
+  every rank has its process group, so a rank that returns at once never
+  closes connections that a slower one is still opening.
 - **Results**: each rank's stdout and stderr (C-level output too) and its
   return value come back as plain data; tensors are moved to the CPU first.
 - **No process left behind**, whatever happens: after success (a rank's own
@@ -29,7 +32,8 @@ launcher guarantees:
   signal, and a small watchdog process ends the ranks' process groups).
 - **Clear failures**: the first failing rank's traceback; a rank killed by a
   signal is named (SIGKILL: out of memory?); on a timeout, each unfinished
-  rank's Python stack at the moment it was stopped.
+  rank's Python stack at the moment it was stopped; an interrupt says in one
+  line that every rank was stopped.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import ctypes
 import faulthandler
 import importlib
 import multiprocessing as mp
+import multiprocessing.pool as mp_pool
+import multiprocessing.util as mp_util
 import os
 import pickle
 import re
@@ -50,6 +56,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,10 +64,12 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import cloudpickle
 import torch
+import torch.distributed as dist
 
 from course_utils.devices import usable_cores
-from course_utils.errors import FriendlyError
+from course_utils.errors import RED, RESET, FriendlyError
 
 
 class LaunchError(FriendlyError):
@@ -113,7 +122,7 @@ def choose_backend(nprocs: int) -> str:
 
 
 def _importable(fn: Callable) -> bool:
-    """Whether a spawned process can find ``fn`` by its module and name."""
+    """Whether a fresh interpreter can find ``fn`` by its module and name."""
     module = getattr(fn, "__module__", None)
     if module in (None, "__main__", "builtins"):
         return False
@@ -130,48 +139,48 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__name__", "the function")
 
 
-NO_FORK = (
-    "this platform cannot fork processes ({platform}), so each rank must start a "
-    "fresh Python that imports {name} from a module: write it to a .py file, import "
-    "it and launch that (or run the course on Linux, or in WSL on Windows)."
-)
+# Imported once by the forkserver's server, so that every rank starts with them.
+# DDP and the optimizers import torch._dynamo on first use (about a second of
+# CPU each time): preloaded, no rank pays it.
+PRELOAD = ["course_utils.dist", "torch.distributed", "torch._dynamo"]
 
 
-def choose_start_method(fn: Callable, backend: str,
+def choose_start_method(fn: Callable | None = None, backend: str = "gloo",
                         threads: int = 1) -> tuple[str, str]:
-    """``(method, why)``: fork when safe, spawn for module functions (Chapter 6).
+    """``(method, why)``: the forkserver where there is one, spawn elsewhere. Ch. 6.
 
-    Fork is refused when CUDA is initialised here and the ranks need it (a forked
-    process cannot use CUDA then), and when a rank should run more than one
-    thread (OpenMP is not fork-safe). Spawn starts fresh interpreters, which
-    must import ``fn``.
+    Both start a rank in a process that never ran the notebook's code, so CUDA
+    and OpenMP state of the notebook do not matter, and both receive ``fn`` by
+    value. ``fn``, ``backend`` and ``threads`` do not change the choice; they
+    are accepted so that callers can say what they are about to launch.
     """
-    fork_ok = "fork" in mp.get_all_start_methods()
-    spawn_ok = _importable(fn)
-    if not fork_ok and not spawn_ok:
-        raise LaunchError(NO_FORK.format(platform=sys.platform, name=_name(fn)))
-    if threads > 1:
-        if spawn_ok:
-            return "spawn", f" (spawn: {threads} threads per rank need a fresh process)"
-        raise LaunchError(
-            f"threads={threads}: a forked rank must run one thread, because OpenMP is "
-            "not fork-safe (a multi-threaded op in a forked child hangs once this "
-            "process has run one). Keep threads=1, or write "
-            f"{_name(fn)} to a .py module and import it, so that the ranks can be "
-            "started fresh (spawn).")
-    if not fork_ok:
-        return "spawn", f" (spawn: {sys.platform} cannot fork)"
-    if not torch.cuda.is_initialized():
-        return "fork", ""  # the ranks may initialise CUDA themselves: nccl works
-    if backend == "gloo":
-        return "fork", (" (CUDA is initialised in this process, so forked ranks must "
-                        "stay on the CPU; restart the kernel to use the GPUs)")
-    if spawn_ok:
-        return "spawn", " (spawn: CUDA is already initialised in this process)"
-    raise LaunchError(
-        "CUDA is already initialised in this process, and a forked process cannot "
-        "use CUDA: restart the kernel and launch before any CUDA call, or move "
-        f"{_name(fn)} into a .py module so it can be spawned.")
+    if "forkserver" in mp.get_all_start_methods():
+        return "forkserver", ""
+    return "spawn", f" (spawn: {sys.platform} has no forkserver)"
+
+
+@contextmanager
+def _without_main():
+    """Start processes that do not run this process's main script again.
+
+    multiprocessing makes a forkserver's server and each spawned child import
+    the main script (a script without an ``if __name__ == "__main__"`` guard
+    would launch again, for ever). The ranks receive ``fn`` by value, so they
+    never need it: while processes start, ``__main__`` is an empty module.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _context(method: str):
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _to_plain(value):
@@ -190,8 +199,12 @@ def _to_plain(value):
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+def _die_with_parent(parent: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere).
+
+    A rank's parent is the forkserver, which exits when the notebook does.
+    """
+    parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -206,7 +219,7 @@ def _die_with_parent(parent: int) -> None:
 # means the parent died: every group is killed and the ranks' folder removed.
 WATCHDOG = """
 import os, shutil, signal, sys
-fd, workdir, groups, buf = int(sys.argv[1]), sys.argv[2], set(), b""
+fd, folders, groups, buf = int(sys.argv[1]), sys.argv[2:], set(), b""
 while chunk := os.read(fd, 4096):
     buf += chunk
     *lines, buf = buf.split(b"\\n")
@@ -218,18 +231,19 @@ if b"done" not in groups:
                 kill(int(g), signal.SIGKILL)
             except (OSError, ValueError):
                 pass
-    shutil.rmtree(workdir, ignore_errors=True)  # the ranks' files
+    for folder in folders:  # the ranks' files, the forkserver's socket
+        shutil.rmtree(folder, ignore_errors=True)
 """
 
 
 class _Watchdog:
     """The watchdog process and the pipe that tells it which groups to end."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, *folders: str | Path):
         read, self.fd = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-c", WATCHDOG, str(read), str(workdir)],
+                [sys.executable, "-S", "-c", WATCHDOG, str(read), *map(str, folders)],
                 pass_fds=(read,),
                 start_new_session=True,  # an interrupt of this process spares it
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -253,20 +267,37 @@ class _Watchdog:
 
 # --- the rank -----------------------------------------------------------------
 
+READY_KEY = "course_utils.dist/connected"
 
-def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir,
-               threads, parent, watchdog_fd):
+
+def _wait_for_all_connected(world_size: int, timeout: float) -> None:
+    """Return once every rank has its process group, through the rendezvous store.
+
+    Without it a rank whose function returns at once tears its process group
+    down while a slower rank may still be connecting to it ("Connection closed
+    by peer" in gloo's connectFullMesh).
+    """
+    store = dist.distributed_c10d._get_default_store()
+    if store.add(READY_KEY, 1) >= world_size:  # the last to connect says so
+        store.set(READY_KEY + "/all", "1")
+    else:
+        store.wait([READY_KEY + "/all"], timedelta(seconds=timeout))
+
+
+def _rank_main(payload: bytes) -> None:
     """The body of one rank (runs in the child process)."""
-    if watchdog_fd is not None:
+    job = cloudpickle.loads(payload)
+    rank, world_size, workdir = job["rank"], job["world_size"], job["workdir"]
+    if job["watchdog_fd"] is not None:  # forked directly: drop the parent's pipe
         try:
-            os.close(watchdog_fd)  # only the parent may hold the watchdog's pipe
+            os.close(job["watchdog_fd"])
         except OSError:
             pass
     try:
         os.setpgid(0, 0)  # a group of its own: its children are ended with it
     except OSError:
         pass
-    _die_with_parent(parent)
+    _die_with_parent()
     out = os.open(f"{workdir}/{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     err = os.open(f"{workdir}/{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)  # file-descriptor level: C++ and subprocess output land here too
@@ -275,13 +306,16 @@ def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     stacks = open(f"{workdir}/{rank}.stack", "w")  # noqa: SIM115 - open until exit
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(threads)
-    dist = torch.distributed
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]),
+                      RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(job["threads"])
+    init, backend, timeout = job["init"], job["backend"], job["timeout"]
     result = {"ok": True, "value": None}
     try:
+        fn, args = cloudpickle.loads(job["fn_and_args"])
         if init:
             device = None
             if backend == "nccl":  # bind the rank to its GPU (barrier uses it too)
@@ -290,21 +324,24 @@ def _rank_main(fn, rank, world_size, args, backend, port, init, timeout, workdir
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout),
                                     device_id=device)
+            _wait_for_all_connected(world_size, timeout)
         result["value"] = _to_plain(fn(rank, world_size, *args))
-        pickle.dumps(result)  # fail here, in the rank, if it cannot be sent
+        data = cloudpickle.dumps(result)  # fail here, in the rank, if it cannot
     except SystemExit as e:  # sys.exit(0) or sys.exit() is a normal end
         if e.code not in (0, None):
             result = {"ok": False, "error": f"it called sys.exit({e.code!r})",
                       "traceback": ""}
+        data = cloudpickle.dumps(result)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": f"{type(e).__name__}: {e}".strip(),
                   "traceback": "".join(traceback.format_exception(  # skip this frame
                       type(e), e, e.__traceback__.tb_next))}
+        data = cloudpickle.dumps(result)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
     with open(f"{workdir}/{rank}.tmp", "wb") as f:
-        pickle.dump(result, f)
+        f.write(data)
     os.replace(f"{workdir}/{rank}.tmp", f"{workdir}/{rank}.pkl")
     if init and result["ok"] and dist.is_initialized():
         dist.destroy_process_group()
@@ -439,6 +476,17 @@ def _main_thread_stack(dump: str) -> str:
 # --- launching ----------------------------------------------------------------
 
 
+class LaunchInterrupted(KeyboardInterrupt):
+    """The notebook was interrupted during a launch; every rank was stopped.
+
+    Still a KeyboardInterrupt (whatever stops on Ctrl-C stops on it), shown in
+    a notebook as its one-line message instead of a traceback (Chapter 6).
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{RED}{self}{RESET}"]
+
+
 @dataclass
 class _Run:
     results: dict
@@ -446,16 +494,32 @@ class _Run:
     stacks: dict
 
 
+def _collect(r: int, proc, workdir: Path) -> dict:
+    """What rank ``r`` left: its pickled result, or why it has none."""
+    pkl = workdir / f"{r}.pkl"
+    if pkl.exists():
+        return pickle.loads(pkl.read_bytes())
+    if proc.exitcode == 0:  # os._exit(0): a normal end, no value
+        return {"ok": True, "value": None}
+    return {"ok": False, "traceback": "", "error": _exit_reason(proc.exitcode)}
+
+
 def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Run:
     """Start the ranks once, wait for them, stop them; return what they left."""
-    ctx = mp.get_context(method)
+    ctx = _context(method)
     workdir = Path(tempfile.mkdtemp(prefix="course_dist_"))
-    watchdog = _Watchdog(workdir)
-    procs = [ctx.Process(target=_rank_main, name=f"rank{r}",
-                         args=(fn, r, nprocs, tuple(args), backend, port, init,
-                               timeout, str(workdir), threads, os.getpid(),
-                               watchdog.fd if method == "fork" else None))
-             for r in range(nprocs)]
+    # if this process dies, its multiprocessing folder (the forkserver's
+    # socket) goes with the ranks' folder: nobody else would remove it
+    mp_folder = [] if method == "fork" else [mp_util.get_temp_dir()]
+    watchdog = _Watchdog(workdir, *mp_folder)
+    fn_and_args = cloudpickle.dumps((fn, tuple(args)))
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_rank_main, name=f"rank{r}", args=(cloudpickle.dumps(
+        {"rank": r, "world_size": nprocs, "fn_and_args": fn_and_args,
+         "backend": backend, "port": port, "init": init, "timeout": timeout,
+         "workdir": str(workdir), "threads": threads, "env": env,
+         "watchdog_fd": watchdog.fd if method == "fork" else None}),))
+        for r in range(nprocs)]
     results: dict[int, dict] = {}
     stacks: dict[int, str] = {}
     terminated = False
@@ -467,10 +531,11 @@ def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Ru
         old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         for p in procs:
-            p.start()
+            with _without_main():
+                p.start()
             try:
                 os.setpgid(p.pid, p.pid)  # also done by the rank: whoever is first
-            except OSError:
+            except OSError:  # not our child (forkserver), or it did it already
                 pass
             watchdog.watch(p.pid)
         deadline = time.monotonic() + timeout
@@ -483,21 +548,20 @@ def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Ru
             for s in wait(list(running), timeout=max(0.0, min(0.5, left))):
                 r = running.pop(s)
                 procs[r].join()
-                pkl = workdir / f"{r}.pkl"
-                if pkl.exists():
-                    results[r] = pickle.loads(pkl.read_bytes())
-                elif procs[r].exitcode == 0:  # os._exit(0): a normal end, no value
-                    results[r] = {"ok": True, "value": None}
-                else:
-                    results[r] = {"ok": False, "traceback": "",
-                                  "error": _exit_reason(procs[r].exitcode)}
+                results[r] = _collect(r, procs[r], workdir)
                 failed = failed or not results[r]["ok"]
+        for s, r in list(running.items()):  # returned, waiting for the others
+            if (workdir / f"{r}.pkl").exists():
+                results[r] = _collect(r, procs[r], workdir)
+                failed = failed or not results[r]["ok"]
+                del running[s]
         if running and not failed:
             stacks = _dump_stacks(procs, sorted(running.values()), workdir)
     except KeyboardInterrupt:
         _stop(procs)
-        print(f"interrupted: stopped all {nprocs} ranks")
-        raise
+        raise LaunchInterrupted(
+            f"interrupted: all {nprocs} rank{'s' if nprocs > 1 else ''} stopped, "
+            "nothing left running") from None
     except _Terminated:
         terminated = True
     finally:
@@ -510,6 +574,9 @@ def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Ru
                 for r in range(nprocs)]
         shutil.rmtree(workdir, ignore_errors=True)
     if terminated:  # die of the signal, as whoever sent it meant, now all is clean
+        if old_term in (None, signal.SIG_DFL):  # this process ends here, and
+            for folder in mp_folder:  # its exit handlers will not run
+                shutil.rmtree(folder, ignore_errors=True)
         signal.raise_signal(signal.SIGTERM)
         raise LaunchError(f"SIGTERM: all {nprocs} ranks were stopped")
     return _Run(results, outs, stacks)
@@ -528,11 +595,12 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
 
     ``init=False`` leaves ``init_process_group`` to ``fn`` (as a torchrun script
     does, from the environment). ``backend`` and ``start_method`` override the
-    launcher's choices. ``threads`` is each rank's intra-op thread count: 1 for
-    forked ranks; more makes the ranks spawn (``fn`` must live in a module).
-    ``echo`` prints each rank's output, prefixed ``[rank r]``. Raises
-    ``RankFailed`` when a rank raises or dies and ``LaunchTimeout`` when one is
-    still running after ``timeout`` seconds; in both cases, and on
+    launcher's choices (``"fork"`` forks this process: one thread per rank,
+    and no CUDA once this process has used it). ``threads`` is each rank's
+    intra-op thread count (1: one core per rank, the analogue of one device
+    per rank). ``echo`` prints each rank's output, prefixed ``[rank r]``.
+    Raises ``RankFailed`` when a rank raises or dies and ``LaunchTimeout``
+    when one is still running after ``timeout`` seconds; in both cases, and on
     KeyboardInterrupt or SIGTERM, every rank is stopped first.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -540,22 +608,34 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
                           f"got {nprocs!r}.")
     if not isinstance(threads, int) or threads < 1:
         raise LaunchError(f"threads must be 1 or more: got {threads!r}.")
-    note = ""
     if backend is None:
         backend = choose_backend(nprocs)
-        if (backend == "nccl" and torch.cuda.is_initialized()
-                and not _importable(fn)):  # forked ranks could not use the GPUs
-            backend, note = "gloo", " instead of nccl"  # the start method says why
     elif backend == "nccl" and choose_backend(nprocs) != "nccl":
         raise LaunchError(f"nccl needs a GPU for every rank: {nprocs} ranks, "
                           f"{torch.cuda.device_count()} GPUs. Use backend='gloo'.")
     if start_method:
         method, why = start_method, ""
+        if method not in mp.get_all_start_methods():
+            raise LaunchError(f"start_method={method!r} does not exist on "
+                              f"{sys.platform}: leave it out.")
         if method == "fork" and threads > 1:
-            raise LaunchError("threads > 1 needs start_method='spawn': a forked rank "
-                              "must run one thread (OpenMP is not fork-safe).")
+            raise LaunchError("threads > 1 cannot be forked from this process: a "
+                              "forked rank must run one thread (OpenMP is not "
+                              "fork-safe). Leave start_method out.")
+        if method == "fork" and backend == "nccl" and torch.cuda.is_initialized():
+            raise LaunchError("CUDA is initialised in this process, and a forked "
+                              "process cannot use CUDA: leave start_method out.")
     else:
         method, why = choose_start_method(fn, backend, threads)
+    try:
+        cloudpickle.dumps((fn, tuple(args)))
+    except Exception as e:  # noqa: BLE001 - what cannot be sent, said plainly
+        raise LaunchError(
+            f"{_name(fn)} or its arguments cannot be sent to the ranks: "
+            f"{type(e).__name__}: {e}. A function is sent with the notebook "
+            "globals it uses: pass what it needs as arguments instead of "
+            "using an object that cannot be copied (a lock, a widget, an open "
+            "file).") from None
     picked = port is None
     if picked:
         port = free_port()
@@ -567,11 +647,10 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
              f"core{'s' if cores > 1 else ''}: they take turns"
              if nprocs * threads > cores else "")
     print(f"launching {nprocs} process{'es' if nprocs > 1 else ''}: {method}, "
-          f"backend {backend}{note}, {threads} thread{'s' if threads > 1 else ''} "
+          f"backend {backend}, {threads} thread{'s' if threads > 1 else ''} "
           f"each, rendezvous 127.0.0.1:{port}, timeout {timeout:g} s{why}{crowd}")
     if method == "fork":  # DDP and the optimizers import torch._dynamo on first use
-        # (about a second of CPU): imported once here, every forked rank has it
-        importlib.import_module("torch._dynamo")
+        importlib.import_module("torch._dynamo")  # once here, inherited by the ranks
     run = _run(fn, nprocs, args, timeout, backend, init, port, method, threads)
     if picked and _port_taken(run):  # another program took the port meanwhile
         port = free_port()
@@ -588,7 +667,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
         stopped = set(range(nprocs)) - set(results)
         tail = f" ({_ranks(stopped)} stopped)" if stopped else ""
         hint = ("\nhint: a forked rank cannot use CUDA once this process has "
-                "initialised it; restart the kernel and launch before any CUDA call"
+                "initialised it; leave start_method out"
                 if any(text in bad[r]["error"] for text in
                        ("forked subprocess", "initialization error")) else "")
         raise RankFailed(f"rank {r} failed: {bad[r]['error']}{tail}{hint}\n"
@@ -614,35 +693,87 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
 # --- worker pools (Chapter 4) -------------------------------------------------------
 
 
-def pool_initializer(parent: int, threads: int = 1) -> None:
+def pool_initializer(parent: int | None = None, threads: int = 1) -> None:
     """Run first in each pool worker: ``threads`` torch threads, die with the parent.
 
-    Pass it as ``Pool(initializer=pool_initializer, initargs=(os.getpid(),))``
-    to a forked pool: one thread keeps a forked worker clear of the OpenMP hang,
-    and a parent-death signal ends the worker if the notebook's kernel dies.
+    ``course_utils.dist.pool`` passes it for you. For a pool of your own, pass
+    ``initializer=pool_initializer, initargs=(os.getpid(),)`` to a forked pool:
+    one thread keeps a forked worker clear of the OpenMP hang, and a
+    parent-death signal ends the worker if the notebook's kernel dies.
     """
     torch.set_num_threads(threads)
     _die_with_parent(parent)
 
 
+def _loaded(blob: bytes) -> _ByValue:
+    fn = _LOADED.get(blob)
+    if fn is None:  # once per worker and function, not once per task
+        fn = _LOADED[blob] = _ByValue(cloudpickle.loads(blob))
+    return fn
+
+
+_LOADED: dict[bytes, _ByValue] = {}
+
+
+class _ByValue:
+    """A function that travels to pool workers by value (cloudpickle)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __reduce__(self):
+        return _loaded, (cloudpickle.dumps(self.fn),)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class _Pool(mp_pool.Pool):
+    """``multiprocessing.Pool`` whose tasks may be functions defined in a notebook."""
+
+    def apply_async(self, func, *args, **kwargs):
+        return super().apply_async(_ByValue(func), *args, **kwargs)
+
+    def _map_async(self, func, *args, **kwargs):
+        return super()._map_async(_ByValue(func), *args, **kwargs)
+
+    def imap(self, func, *args, **kwargs):
+        return super().imap(_ByValue(func), *args, **kwargs)
+
+    def imap_unordered(self, func, *args, **kwargs):
+        return super().imap_unordered(_ByValue(func), *args, **kwargs)
+
+
 @contextmanager
-def pool(processes: int, method: str = "fork"):
+def pool(processes: int, method: str | None = None, threads: int = 1):
     """A ``multiprocessing.Pool`` safe to use from a notebook; always torn down.
 
-    Workers are forked (functions defined in the notebook work) and run one
-    torch thread each (see ``pool_initializer``). Leaving the ``with`` block
-    terminates and joins the workers, whatever happened inside. Wait with a
-    timeout, never without: ``p.map_async(f, xs).get(timeout=60)``.
+    Workers start like the launcher's ranks (from the forkserver, or spawned
+    where there is none), so functions defined in the notebook work and
+    whatever the notebook initialised does not reach them; each runs
+    ``threads`` torch threads. ``method="fork"`` forks this process instead
+    (then keep one thread). Leaving the ``with`` block terminates and joins
+    the workers, whatever happened inside. Wait with a timeout, never
+    without: ``p.map_async(f, xs).get(timeout=60)``.
 
         with dist.pool(2) as p:
             squares = p.map_async(square, range(10)).get(timeout=60)
     """
     if processes < 1:
         raise LaunchError(f"processes must be at least 1, not {processes}")
+    if method is None:
+        method = choose_start_method()[0]
     if method not in mp.get_all_start_methods():
-        raise LaunchError(NO_FORK.format(platform=sys.platform, name="the worker"))
-    workers = mp.get_context(method).Pool(
-        processes, initializer=pool_initializer, initargs=(os.getpid(),))
+        raise LaunchError(f"start method {method!r} does not exist on "
+                          f"{sys.platform}: leave method out.")
+    if method == "fork" and threads > 1:
+        raise LaunchError("a forked worker must run one thread (OpenMP is not "
+                          "fork-safe): leave method out to use more.")
+    with _without_main():
+        workers = _Pool(processes, initializer=pool_initializer,
+                        initargs=(os.getpid() if method == "fork" else None,
+                                  threads),
+                        context=_context(method))
     try:
         yield workers
     finally:
