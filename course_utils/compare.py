@@ -107,6 +107,8 @@ class Run:
     wall_s: float
     cpu_s: float
     others_cores: float | None  # None where the machine's counters are unknown
+    ours_s: float = 0.0  # CPU seconds of the whole run, ours, not per call
+    span_s: float = 0.0  # wall seconds of the whole run
 
     @property
     def busy_cores(self) -> float:
@@ -123,6 +125,7 @@ class Option:
     label: str
     runs: list[Run] = field(default_factory=list)
     kept: list[bool] = field(default_factory=list)
+    number: int = 1  # calls per run
 
     def _quiet(self) -> list[Run]:
         runs = [r for r, k in zip(self.runs, self.kept, strict=True) if k]
@@ -168,7 +171,6 @@ class Comparison:
     verdicts: dict[str, str]
     ratios: dict[str, float]
     quiet_cores: float
-    number: int = 1
 
     @property
     def outcome(self) -> str:
@@ -234,7 +236,12 @@ class Comparison:
             if others
             else ""
         )
-        calls = f" of {self.number} calls (times per call)" if self.number > 1 else ""
+        numbers = sorted({o.number for o in self.options})
+        calls = (
+            f" of {'/'.join(map(str, numbers))} calls (times per call)"
+            if numbers != [1]
+            else ""
+        )
         lines.append(
             f"{runs} interleaved runs{calls} each; {load} (1-min average); "
             f"{self.cores} usable cores{busy_elsewhere}"
@@ -291,11 +298,14 @@ def _timed(
     load1 = _machine_busy_s()
     ours = own + reported_cpu
     others = None
-    if load0 is not None and load1 is not None and wall > 0:
+    # the counters tick every 10 ms on each core: too coarse for a short run
+    if load0 is not None and load1 is not None and wall >= 0.1:
         others = max(0.0, (load1 - load0 - own - elsewhere) / wall)
     if reported_wall > 0:
-        return Run(reported_wall / number, reported_cpu / number, others)
-    return Run(wall / number, ours / number, others)
+        wall_s, cpu_s = reported_wall / number, reported_cpu / number
+    else:
+        wall_s, cpu_s = wall / number, ours / number
+    return Run(wall_s, cpu_s, others, ours_s=own + elsewhere, span_s=wall)
 
 
 def _judge(
@@ -380,25 +390,33 @@ def compare(
     fns = dict(options)
     watched = processes if callable(processes) else (lambda: list(processes))
     idle_load = _load()  # before our own warm-up adds to it
-    quickest = math.inf
-    for fn in fns.values():
+    opts = [Option(label) for label in fns]
+    for opt in opts:
+        quickest = math.inf
         for _ in range(warmup):
             t0 = time.perf_counter()
-            fn()
+            fns[opt.label]()
             quickest = min(quickest, time.perf_counter() - t0)
-    if number is None:
-        number = 1
-        if warmup and 0 < quickest < min_run_s:
-            number = min(1000, math.ceil(min_run_s / quickest))
+        opt.number = number or 1
+        if number is None and warmup and 0 < quickest < min_run_s:
+            opt.number = min(1000, math.ceil(min_run_s / quickest))
     load_before = _load()
-    opts = [Option(label) for label in fns]
+    machine0, start = _machine_busy_s(), time.perf_counter()
     for _ in range(repeats):
         for opt in opts:
-            run = _timed(fns[opt.label], number, watched)
-            opt.runs.append(run)
+            opt.runs.append(_timed(fns[opt.label], opt.number, watched))
+    machine1, span = _machine_busy_s(), time.perf_counter() - start
+    pooled = None  # what other programs used over all the runs together
+    if machine0 is not None and machine1 is not None and span >= 0.1:
+        ours = sum(r.ours_s for o in opts for r in o.runs)
+        pooled = max(0.0, (machine1 - machine0 - ours) / span)
+    for opt in opts:
+        for run in opt.runs:
+            if run.others_cores is None:
+                run.others_cores = pooled  # a short run: the pooled estimate
             quiet = run.quiet(quiet_cores)
             if run.others_cores is None and idle_load is not None:
-                # no per-run counters (not Linux): trust only an idle start
+                # no counters (not Linux, or too short): trust only an idle start
                 quiet = idle_load <= quiet_cores
             opt.kept.append(quiet)
     load_after = _load()
@@ -417,7 +435,6 @@ def compare(
         verdicts=verdicts,
         ratios=ratios,
         quiet_cores=quiet_cores,
-        number=number,
     )
 
 
