@@ -279,7 +279,49 @@ def select_kernel_target() -> None:
     gpu = torch.cuda.is_available()
     if gpu and not numba_cuda_installed():
         KERNEL_NOTE = " (numba-cuda is not installed: see requirements-gpu.txt)"
+    elif gpu:
+        why = numba_gpu_fails()
+        if why:
+            KERNEL_NOTE = f" (numba's GPU target failed a test kernel: {why})"
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if gpu and not KERNEL_NOTE else "1"
+
+
+# A kernel that numba must compile, launch and copy back on the GPU target.
+NUMBA_PROBE = """
+import numpy as np
+from numba import cuda
+@cuda.jit
+def one(a):
+    a[cuda.grid(1)] = 1
+x = cuda.to_device(np.zeros(4, np.int32))
+one[1, 4](x)
+assert x.copy_to_host().tolist() == [1, 1, 1, 1], "wrong result"
+"""
+
+
+def numba_gpu_fails(timeout: float = 120.0) -> str:
+    """Why numba's GPU target cannot run a kernel here ("" when it can). Ch. 1.
+
+    Installed is not working: a driver too old for the toolkit pieces, or no
+    NVVM, shows only when a kernel is compiled. The test runs in a separate
+    process (numba decides its target once per process, and CUDA stays
+    uninitialised here); its answer is kept in the environment for the
+    processes this one starts.
+    """
+    import subprocess
+
+    if "COURSE_NUMBA_GPU" in os.environ:
+        return os.environ["COURSE_NUMBA_GPU"]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    try:
+        done = subprocess.run([sys.executable, "-c", NUMBA_PROBE], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        why = "" if done.returncode == 0 else (
+            done.stderr.strip().splitlines() or ["it failed"])[-1][:200]
+    except subprocess.TimeoutExpired:
+        why = f"no answer in {timeout:g} s"
+    os.environ["COURSE_NUMBA_GPU"] = why
+    return why
 
 
 def check_fits(

@@ -1393,14 +1393,12 @@ for what, tpb, regs, smem in kernels:
     print(f"{what:38} {tpb:7} {regs:5} {smem // 1024:6} KiB  {warps:4}  "
           f"{warps / max_warps:8.0%}  {limiter}")
 if kernels_on_gpu:
-    try:  # numba compiles for the argument types and reports the kernel's resources
-        sig = "(float32[:, :], float32[:, :], float32[:, :])"
-        regs = matmul_tiled.get_regs_per_thread(sig)
-        print(f"on this GPU, numba compiled matmul_tiled to {regs} registers per "
-              f"thread: {occupancy(TILE * TILE, regs, 2 * TILE * TILE * 4)[0]} "
+    # numba reports the registers of each version it compiled (one per argument
+    # types): {argument types: registers per thread}
+    for types, regs in matmul_tiled.get_regs_per_thread().items():
+        print(f"on this GPU, numba compiled matmul_tiled{types} to {regs} registers "
+              f"per thread: {occupancy(TILE * TILE, regs, 2 * TILE * TILE * 4)[0]} "
               "resident warps by the H100 model")
-    except Exception as e:  # an older numba may not take a signature string here
-        print(f"numba could not report the registers here: {e}")
 print("sources:", "; ".join(f.label for f in H100.values()))
 
 # %% [markdown]
