@@ -85,7 +85,9 @@ display(Image(filename=str(ROOT / "images" / "dataparallel_step.png")))
 #
 # The four steps exist as functions in `torch.nn.parallel`. On a CPU they
 # refuse to run, and `nn.DataParallel` quietly does nothing: with no GPU its
-# `device_ids` is empty and it just calls the module.
+# `device_ids` is empty and it just calls the module. With GPUs it wants the
+# module on `device_ids[0]` (with one GPU it moves it there itself, in place)
+# and scatters the batch, wherever it is, to its devices.
 
 # %%
 lin = nn.Linear(4, 2)
@@ -101,9 +103,11 @@ for name, attempt in attempts.items():
         print(f"{name}: ran")
     except Exception as e:  # noqa: BLE001 - we show whatever it raises
         print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+lin = lin.to(GPUS[0] if GPUS else "cpu")  # DataParallel's module: on device_ids[0]
 dp = nn.DataParallel(lin)
-print("DataParallel device_ids:", dp.device_ids, "| same output as the module:",
-      torch.equal(dp(x8), lin(x8)), "| state_dict keys:", list(dp.state_dict()))
+diff = (dp(x8) - lin(x8.to(lin.weight.device))).abs().max().item()
+print("DataParallel device_ids:", dp.device_ids, f"| output differs from the "
+      f"module's by {diff:.1e} | state_dict keys:", list(dp.state_dict()))
 
 # %% [markdown]
 # Note the `module.` prefix in the wrapper's `state_dict`: a checkpoint saved
@@ -143,7 +147,11 @@ def replicate(module, devices):
     for d in devices:
         shell = copy.deepcopy(module).to(d)  # its own object: threads never share one
         tensors = {k: p.to(d) if d != p.device else p.clone() for k, p in params.items()}
-        tensors.update({k: b.to(d) for k, b in buffers.items()})
+        # buffers (BatchNorm's running statistics) are not differentiable: replica
+        # 0 uses the module's own, the others copies - as torch's replicate does,
+        # so only replica 0's updates are kept (section 7)
+        tensors.update({k: b if not replicas else b.to(d, copy=True)
+                        for k, b in buffers.items()})
         replicas.append((shell, tensors))
     return replicas
 
@@ -204,7 +212,8 @@ print(f"largest gradient difference: {worst:.2e} (rounding only)")
 # loss per piece and averaging those would be wrong for unequal pieces, as
 # here: Exercise 5.2.)
 #
-# With two or more GPUs, PyTorch's own `nn.DataParallel` must agree too:
+# With GPUs, PyTorch's own primitives and `nn.DataParallel` must agree too
+# (with one GPU they run a single replica on a single piece):
 
 # %%
 def compare(name, out, params):
@@ -216,7 +225,7 @@ def compare(name, out, params):
     print(f"{name}: output differs by {out_diff:.2e}, gradients by {grad_diff:.2e}")
 
 
-if len(GPUS) >= 2:
+if GPUS:  # one GPU runs them too: one replica, one piece, nothing split
     gpus = GPUS[:3]
     # PyTorch's four primitives, one by one
     base = copy.deepcopy(single).to(gpus[0])
@@ -233,8 +242,8 @@ if len(GPUS) >= 2:
     compare(f"nn.DataParallel on {len(gpus)} GPUs", wrapped(x.to(gpus[0])),
             list(base.parameters()))
 else:
-    print(f"{len(GPUS)} GPU(s) here: PyTorch's primitives and nn.DataParallel need "
-          "two to do anything; the hand-made ones above stand in for them")
+    print("no GPU here: PyTorch's primitives refuse the CPU (section 2); the "
+          "hand-made ones above stand in for them")
 
 # %% [markdown]
 # ## 4. How a batch is split
@@ -301,15 +310,17 @@ class Masked(nn.Module):
 
 
 torch.manual_seed(1)
-masked = Masked()
-xs, mask = torch.randn(7, 5), (torch.rand(7, 1) > 0.3).float()
+masked = Masked().to(devices[0])
+xs = torch.randn(7, 5).to(devices[0])
+mask = (torch.rand(7, 1) > 0.3).float().to(devices[0])
 per_device = scatter_kwargs((xs,), {"mask": mask, "scale": 2.0}, devices)
 for i, (a, kw) in enumerate(per_device):
     print(f"device {i}: x {tuple(a[0].shape)}, mask {tuple(kw['mask'].shape)}, "
           f"scale {kw['scale']}")
-outs = [masked(*a, **kw) for a, kw in per_device]
-print("same as one device:", torch.allclose(torch.cat(outs), masked(xs, mask=mask,
-                                                                   scale=2.0)))
+# each piece runs on its own device, with the module's copy there
+outs = [copy.deepcopy(masked).to(a[0].device)(*a, **kw) for a, kw in per_device]
+print("same as one device:", torch.allclose(
+    gather(outs, devices[0]), masked(xs, mask=mask, scale=2.0), atol=1e-6))
 if len(GPUS) >= 2:
     theirs = nn.parallel.scatter_kwargs((xs.to(GPUS[0]),), {"mask": mask, "scale": 2.0},
                                         GPUS[:3])
@@ -359,22 +370,28 @@ print(f"  [{memory.label}]")
 
 # %%
 COMPUTE_S = 0.100  # an example compute time per step, the same for both
-link = predict.link_bandwidth("nvlink_h100")
+link = predict.achieved_link_bandwidth("nvlink_h100")  # the rate NCCL reaches
 rows = {}
 for n in (2, 4, 8):
     dp_comm = 2 * 4 * P / link  # broadcast the parameters, reduce the gradients
-    ddp_comm = predict.ring_allreduce_seconds(4 * P, n, "nvlink_h100").value
+    ddp_comm = predict.allreduce_seconds(4 * P, n, "nvlink_h100").value
     rows[n] = (COMPUTE_S + dp_comm, max(COMPUTE_S, ddp_comm))
 step_model = reference.predicted(
     rows, "s", f"n x {predict.gpu_name('h100_sxm')} over NVLink 4",
     "DataParallel: compute + 4P bytes broadcast + 4P bytes reduced, not overlapped; "
-    "DDP: max(compute, ring all-reduce of 4P bytes), overlapped; P = 1e9, compute "
-    "100 ms per step (an example), Python and thread overhead left out",
-    ["h100_sxm.nvlink_bandwidth_total_gbps"])
+    "DDP: max(compute, calibrated NCCL ring all-reduce of 4P bytes), overlapped; "
+    f"links at the {link / 1e9:.0f} GB/s NCCL reaches; P = 1e9, compute 100 ms "
+    "per step (an example), Python and thread overhead left out",
+    ["h100_sxm.nvlink_bandwidth_total_gbps", *predict.NVLINK_EFFICIENCY_INPUTS,
+     *predict.COLLECTIVE_LATENCY_INPUTS])
 for n, (dp_s, ddp_s) in rows.items():
     print(f"  {n} GPUs: DataParallel {dp_s * 1e3:6.1f} ms per step, DDP "
           f"{ddp_s * 1e3:6.1f} ms ({dp_s / ddp_s:.2f}x)")
 print(f"  [{step_model.label}]")
+print("caveat: the DDP line's all-reduce is calibrated (python -m "
+      "course_utils.predict --calibration: 8-GPU NVLink sweeps within 25 %); no "
+      "published measurement of DataParallel was found to check its line, which "
+      "leaves out its Python overhead and so is optimistic")
 
 # %% [markdown]
 # The prediction does not change with `n`: both move about `4P` bytes per
