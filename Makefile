@@ -39,10 +39,14 @@ $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 # often run as root, so say it for them. The token login stays on.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-# Opens on the start page, with notebooks/ as the file browser's root.
+# Opens on the start page, with notebooks/ as the file browser's root. The
+# default URL makes the link that Jupyter prints open the start page too (on a
+# remote machine or in a container that link is all a learner has).
+LAB_FLAGS := --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/START_HERE.ipynb
+
 lab: setup
 	@$(PY) -m course_utils.build > /dev/null  # stamps this Python's version
-	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/START_HERE.ipynb
+	$(VENV)/bin/jupyter lab $(ROOT_FLAG) $(LAB_FLAGS) $(LAB_EXTRA)
 
 test: setup
 	$(PY) -m pytest

@@ -12,8 +12,11 @@ next cell - and checks that:
 - the only errors are the unsolved exercises' short messages (no traceback);
 - the plots rendered, and no widget shows as plain text (the widget frontend
   is there);
-- moving a slider changes its output (one slider per chapter that has any);
-- a notebook opens clean (no unsaved changes before anything ran).
+- every slider still changes its output after every cell, exercises
+  included, has run (an exercise must not break a chapter's slider);
+- a notebook opens clean (no unsaved changes before anything ran);
+- the link that ``make lab`` prints opens the start page;
+- interrupting a multi-process cell ends in one line, not a traceback.
 
 Screenshots go to ``build/e2e/``. Every process started is stopped.
 """
@@ -237,25 +240,99 @@ def test_chapter_runs_in_the_browser(browser, lab, name):
             assert sum(c["images"] for c in code) > 0, f"{name}: no plot rendered"
         SHOTS.mkdir(parents=True, exist_ok=True)
         if _has_sliders(name):
-            slider = page.locator(".widget-slider .noUi-handle, "
-                                  ".widget-hslider .noUi-handle").first
-            assert slider.count(), f"{name}: it has sliders, but none is shown"
-            slider.scroll_into_view_if_needed()
-            box = slider.locator("xpath=ancestor::div[contains(@class,"
-                                 "'widget-interact') or contains(@class,"
-                                 "'jupyter-widgets')][last()]")
-            area = slider.locator("xpath=ancestor::div[contains(@class,"
-                                  "'jp-OutputArea-output')][1]")
-            before = area.inner_html()
-            slider.focus()
-            for _ in range(3):
-                page.keyboard.press("ArrowRight")
-            deadline = time.monotonic() + 60
-            while area.inner_html() == before and time.monotonic() < deadline:
-                time.sleep(0.5)
-            assert area.inner_html() != before, (
-                f"{name}: moving the first slider did not change its output")
-            del box
+            _every_slider_changes_its_output(page, name)
         page.screenshot(path=str(SHOTS / f"{name[:-6]}.png"), full_page=False)
+    finally:
+        page.close()
+
+
+SLIDERS = ".widget-slider .noUi-handle, .widget-hslider .noUi-handle"
+
+
+def _every_slider_changes_its_output(page, name: str) -> None:
+    """Move each slider; its output must change and show no error."""
+    sliders = page.locator(SLIDERS)
+    assert sliders.count(), f"{name}: it has sliders, but none is shown"
+    for i in range(sliders.count()):
+        slider = sliders.nth(i)
+        slider.scroll_into_view_if_needed()
+        area = slider.locator("xpath=ancestor::div[contains(@class,"
+                              "'jp-OutputArea-output')][1]")
+        cell = slider.locator("xpath=ancestor::div[contains(@class,'jp-Cell')][1]")
+        before = area.inner_html()
+        slider.focus()
+        for _ in range(3):
+            page.keyboard.press("ArrowRight")
+        deadline = time.monotonic() + 60
+        while area.inner_html() == before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert area.inner_html() != before, (
+            f"{name}: moving slider {i + 1} did not change its output")
+        time.sleep(1)
+        errors = cell.locator(".jp-OutputArea-output[data-mime-type="
+                              "'application/vnd.jupyter.stderr']").all_inner_texts()
+        assert not any(errors), (f"{name}: slider {i + 1} shows an error once "
+                                 f"every cell has run:\n{errors[0][-1500:]}")
+
+
+def test_the_printed_link_opens_the_start_page(browser):
+    """``make lab`` prints a link; on a remote machine it is all a learner has."""
+    port = _free_port()
+    extra = f"--no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port={port}"
+    log_path = SHOTS / "make_lab.log"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(["make", "--no-print-directory", "lab",
+                                   f"LAB_EXTRA={extra}"], cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, link = time.monotonic() + 120, None
+        while link is None and time.monotonic() < deadline:
+            found = re.search(rf"http://127\.0\.0\.1:{port}/\S+token=\w+",
+                              log_path.read_text())
+            link = found.group(0) if found else None
+            assert server.poll() is None or link, log_path.read_text()[-2000:]
+            time.sleep(0.5)
+        assert link, "make lab printed no link:\n" + log_path.read_text()[-2000:]
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(link)
+            page.wait_for_selector(".jp-RenderedMarkdown :text('The chapters')",
+                                   timeout=60_000)
+        finally:
+            page.close()
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+INTERRUPTED = {
+    "cells": [{"cell_type": "code", "execution_count": None, "id": "launch",
+               "metadata": {}, "outputs": [], "source": [
+                   "import time\n",
+                   "from course_utils.dist import launch\n",
+                   "launch(lambda rank, ws: time.sleep(60), 2, timeout=120)"]}],
+    "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
+                                "name": "python3"}},
+    "nbformat": 4, "nbformat_minor": 5}
+
+
+def test_an_interrupted_launch_reads_as_one_line(browser, lab):
+    (lab["root"] / "interrupt_probe.ipynb").write_text(json.dumps(INTERRUPTED))
+    page = _open(browser, lab, "interrupt_probe.ipynb")
+    try:
+        _menu(page, "Run", "Run All Cells")
+        page.wait_for_selector(".jp-OutputArea-output :text('launching 2 processes')",
+                               timeout=60_000)
+        time.sleep(1)
+        _menu(page, "Kernel", "Interrupt Kernel")
+        _wait_idle(page, 60)
+        (cell,) = _cells(page)
+        error = cell["error"].strip()
+        assert "interrupted: all 2 ranks stopped" in error, cell["text"][-1500:]
+        assert "Traceback" not in error and len(error.splitlines()) <= 3, error
     finally:
         page.close()
