@@ -115,7 +115,50 @@ def lint(nb, chapter: int, name: str) -> list[tuple[str, int, int]]:
                 f'tagged "check" with exercise="{ex}"'
             )
         found.append((ex, i, nxt))
+    _no_shadowing(nb, [i for _, i, _ in found], name)
     return found
+
+
+def _top_level_names(source: str) -> set[str]:
+    """Names a cell binds at its top level (def, class, assignment, import)."""
+    import ast
+
+    lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _no_shadowing(nb, exercise_cells: list[int], name: str) -> None:
+    """An exercise must not rebind a name the rest of the chapter defines.
+
+    Running the exercise would replace the chapter's own function (or value),
+    and a slider or a later cell that uses it would break.
+    """
+    exercise_names = {i: _top_level_names(nb.cells[i].source) for i in exercise_cells}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or i in exercise_names:
+            continue
+        for j, names in exercise_names.items():
+            clash = sorted(names & _top_level_names(cell.source))
+            if clash:
+                raise BuildError(
+                    f"{name}: exercise cell {j} defines {', '.join(clash)}, which "
+                    f"cell {i} defines too: running the exercise would replace "
+                    "the chapter's; give the exercise's names of their own"
+                )
 
 
 def marker_cell(source_name: str):

@@ -150,6 +150,26 @@ def test_duplicate_ids_are_refused(tmp_path):
         build.generate(path)
 
 
+@pytest.mark.parametrize("other", [
+    "def area(shape):\n    return 0\n",  # the chapter's own function
+    "area = lambda r: 0\n",
+    "from math import pi as area\n",
+    "class area:\n    pass\n",
+])
+def test_an_exercise_may_not_replace_a_chapter_name(tmp_path, other):
+    text = SOURCE.replace("import math\n", "import math\n\n" + other, 1)
+    path = tmp_path / "07_demo.py"
+    path.write_text(text)
+    with pytest.raises(build.BuildError, match="defines area, which cell"):
+        build.generate(path)
+
+
+def test_an_exercise_may_use_a_chapter_name(tmp_path):
+    path = tmp_path / "07_demo.py"  # reading math, defining its own name: fine
+    path.write_text(SOURCE.replace("import math\n", "import math\ntau = 2\n", 1))
+    build.generate(path)
+
+
 def test_unbalanced_markers_are_refused():
     with pytest.raises(build.BuildError):
         build.stub_solutions("    ### BEGIN SOLUTION\n    x = 1\n", "7.1")
