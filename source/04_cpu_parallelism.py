@@ -53,6 +53,7 @@ from course_utils.checks.ch04 import (
     check_cpu_and_wall,
     check_parallel_map,
 )
+from course_utils.compare import compare
 from course_utils.devices import usable_cores
 from course_utils.dist import pool, pool_initializer
 
@@ -72,8 +73,14 @@ print(f"usable cores: {CORES}")
 # Starting one costs something. On Linux a new process is usually **forked**:
 # a copy of this one, made cheap by sharing memory pages until one side writes
 # to them. A thread is cheaper still. A `Pool` starts several processes at once
-# and keeps them for many tasks. We measure each, the fastest of several tries
-# (the others were slowed down by something else on the machine).
+# and keeps them for many tasks. We measure each with the course's comparison
+# protocol, `compare` from `course_utils.compare`, which every timing in the
+# course uses from here on: the options run in turns (A B A B ...), each run
+# records its wall seconds and the CPU seconds of every process and thread
+# that worked for it, and the machine's own counters tell how many cores
+# *other* programs used meanwhile. Its verdict is "faster", "slower", "the same
+# within noise", or "disturbed: another program used the cores - run again"; a
+# disturbed timing is shown as a range, not one number.
 
 # %%
 def noop():
@@ -81,7 +88,7 @@ def noop():
 
 
 def fastest(make, tries=5):
-    """The fastest of `tries` runs of make(): start-up costs without noise."""
+    """The fastest of `tries` runs of make(): one cost, with less noise."""
     best = float("inf")
     for _ in range(tries):
         t0 = time.perf_counter()
@@ -102,24 +109,33 @@ def start_process():
     p.join(timeout=10)
 
 
-def start_pool():
-    with pool(2) as p:
-        p.map_async(abs, [1, 2]).get(timeout=10)
+def start_pool(workers):
+    def create_map_close():
+        with pool(workers) as p:
+            p.map_async(abs, range(workers)).get(timeout=60)
+    return create_map_close
 
 
-costs = {"thread (start + join)": fastest(start_thread),
-         "forked process (start + join)": fastest(start_process),
-         "pool of 2 processes (create, one map, close)": fastest(start_pool, 3)}
-for what, t in costs.items():
-    print(f"{what:46} {format_seconds(t):>10}")
-ratio = costs["forked process (start + join)"] / costs["thread (start + join)"]
-print(f"a process costs {ratio:.0f}x a thread to start here")
+startup = compare({"thread (start + join)": start_thread,
+                   "forked process (start + join)": start_process}, repeats=3)
+print(startup)
+POOL_SIZES = [1, 2, 4]
+pool_startup = compare({f"pool of {n} (create, map, close)": start_pool(n)
+                        for n in POOL_SIZES}, repeats=3, number=1)
+print(pool_startup)
+start_s = [o.median for o in pool_startup.options]
+per_worker, fixed = np.polyfit(POOL_SIZES, start_s, 1)  # a straight line
+print(f"a pool's start-up here: about {format_seconds(fixed)} + "
+      f"{format_seconds(per_worker)} per worker")
 
 # %% [markdown]
-# A process is tens to hundreds of times dearer than a thread. That is cheap
-# for a task of a second, and ruinous for a task of a microsecond.
+# Read the verdicts: a process is many times dearer than a thread (the first
+# table says how many here, or that another program disturbed the runs). That
+# is cheap for a task of a second, and ruinous for a task of a microsecond. A
+# pool's start-up is no constant either: it forks every worker, so it grows
+# with the number of workers, about linearly (the fitted line above).
 #
-# **Sending data** to a process costs more than starting it: arguments and
+# **Sending data** to a process can cost more than starting it: arguments and
 # results cross the process boundary as bytes, made by `pickle`. The time
 # grows with the payload, and both sides pay it (one to pickle, one to
 # unpickle). A thread would just pass a reference.
@@ -209,55 +225,26 @@ def run_in_threads(task, n_tasks, n_threads):
 
 torch_threads = torch.get_num_threads()
 torch.set_num_threads(1)  # one core per matmul: threads are the only parallelism
-gil_rows = {}
 try:
     for name, task in (("pure-Python loop", python_loop),
                        ("torch matmul (releases the GIL)", torch_matmuls),
                        ("waiting (sleep)", wait)):
-        task()  # warm-up
-        one = min((run_in_threads(task, 4, 1) for _ in range(2)), key=lambda r: r[0])
-        two = min((run_in_threads(task, 4, 2) for _ in range(2)), key=lambda r: r[0])
-        gil_rows[name] = (one, two)
+        print(f"4 tasks of: {name}")
+        print(compare({"1 thread": lambda task=task: run_in_threads(task, 4, 1),
+                       "2 threads": lambda task=task: run_in_threads(task, 4, 2)},
+                      repeats=3), end="\n\n")
 finally:
     torch.set_num_threads(torch_threads)
-print(f"{'4 tasks':32} {'1 thread':>10} {'2 threads':>10} {'speed-up':>9} "
-      f"{'busy cores (2 threads)':>23}")
-for name, ((w1, _), (w2, c2)) in gil_rows.items():
-    print(f"{name:32} {format_seconds(w1):>10} {format_seconds(w2):>10} "
-          f"{w1 / w2:8.2f}x {c2 / w2:14.2f}")
-
-# %%
-def gil_verdict(name, one, two):
-    (w1, _), (w2, c2) = one, two
-    busy = c2 / w2
-    if name.startswith("waiting"):
-        return (f"{name}: {w1 / w2:.1f}x with almost no CPU ({busy:.2f} busy cores) - "
-                "waiting threads overlap even on one core")
-    if busy > 1.3 and w1 / w2 > 1.1:
-        return (f"{name}: {busy:.1f} cores busy at once: ran in parallel, "
-                f"{w1 / w2:.2f}x faster")
-    if busy > 1.3:
-        return (f"{name}: {busy:.1f} cores busy at once, yet no faster "
-                f"({w1 / w2:.2f}x): other programs had the cores part of the time")
-    if CORES < 2:
-        return f"{name}: only one usable core here, so no parallel run is possible"
-    return (f"{name}: {busy:.1f} cores busy - took turns "
-            + ("(the GIL)" if "Python" in name else "(the other core was busy: "
-               "run it again on a quieter machine)"))
-
-
-for name, (one, two) in gil_rows.items():
-    print(gil_verdict(name, one, two))
 
 # %% [markdown]
-# Read the *busy cores* column, not only the speed-up. The pure-Python loop
+# Read the *busy cores* column, not only the verdict. The pure-Python loop
 # keeps about one core busy however many threads run it: the GIL lets one
-# thread at a time run bytecode, and switching between them costs a little, so
-# two threads are often *slower*. The matmuls keep up to two cores busy, as
-# torch releases the GIL inside its operators. The sleeps use almost no CPU,
-# and still finish sooner on two threads: waiting overlaps on any machine.
-# (If the matmul row shows about one busy core, another program had the other
-# core: the verdict says so.)
+# thread at a time run bytecode, so two threads cannot be faster, and
+# switching between them can make them slower. The matmuls can keep two cores
+# busy, as torch releases the GIL inside its operators - if a second core is
+# free: when another program holds it, the verdict says "disturbed" rather
+# than report a speed-up or a slow-down that the GIL did not cause. The sleeps
+# use almost no CPU, and their waits overlap on any machine.
 #
 # Python 3.13 and 3.14 come in an optional **free-threaded** build
 # (`python3.13t`) with no GIL, in which the pure-Python row would run in
@@ -343,10 +330,17 @@ def time_ways(n, parts=2, tries=2):
 
 sizes = [10**3, 10**4, 10**5, 10**6 + 3]  # the last does not split evenly
 results = {}
-for n in sizes:
+for n in sizes[:-1]:
     results[n] = time_ways(n)
     print(f"n = {n:>9,}: " + ", ".join(f"{w} {format_seconds(t)}"
                                         for w, t in results[n].items()))
+big_data = np.random.default_rng(0).integers(1, 7, sizes[-1])  # the largest size,
+assert all(np.array_equal(run(big_data, 2), big_data ** 2) for run in WAYS.values())
+big_run = compare({way: lambda run=run: run(big_data, 2) for way, run in WAYS.items()},
+                  repeats=3, warmup=0)  # timed with the protocol
+print(f"n = {sizes[-1]:,}:")
+print(big_run)
+results[sizes[-1]] = {o.label: o.median for o in big_run.options}
 
 # %%
 fig, ax = plt.subplots(figsize=(6.8, 4.0))
@@ -363,17 +357,10 @@ plt.show()
 
 big = results[sizes[-1]]
 small = results[sizes[0]]
-print(f"n = {sizes[0]:,}: serial is {small['Pool'] / small['serial']:.0f}x faster than "
-      "the Pool (start-up dominates)")
-print(f"n = {sizes[-1]:,}: Pool {big['serial'] / big['Pool']:.2f}x the serial speed, "
-      f"Process per chunk {big['serial'] / big['Process per chunk']:.2f}x, vectorised "
-      f"{big['serial'] / big['vectorised (numpy)']:.0f}x")
-gain = big["serial"] / min(big["Pool"], big["Process per chunk"])
-print("verdict:", f"the processes paid off at n = {sizes[-1]:,} ({gain:.2f}x, at most "
-      f"{min(CORES, 2)}x possible with 2 workers)" if gain > 1.05 else
-      f"even at n = {sizes[-1]:,} the processes did not pay off here ({gain:.2f}x): "
-      "start-up and pickling cost as much as the work they shared (or another "
-      "program had a core)")
+print(f"n = {sizes[0]:,}: the Pool took {small['Pool'] / small['serial']:.0f}x the "
+      "serial time (start-up dominates)")
+print(f"at n = {sizes[-1]:,}, against the serial loop (at most {min(CORES, 2)}x is "
+      "possible with 2 workers):", big_run.verdict, sep="\n")
 
 # %% [markdown]
 # The seed concludes that many light tasks call for `Process` and heavy ones
@@ -394,26 +381,31 @@ print("verdict:", f"the processes paid off at n = {sizes[-1]:,} ({gain:.2f}x, at
 # jobs - a data loader, a server - not many small pieces of the same work.)
 #
 # A 2-core laptop cannot show how the pool scales. A simple model can: the
-# pool's time is its start-up cost plus the serial work divided among the
-# workers, `t(N) = t_start + t_serial / N` (Amdahl's law with a fixed
-# overhead). Both inputs are measured above; the prediction is for a
-# 16-core machine.
+# pool's time is its start-up, the pickling of the data, and the serial work
+# divided among the workers. The start-up is not a constant: section 1
+# measured it for 1, 2 and 4 workers and fitted a line, `a + b N`, so
+# `t(N) = a + b N + t_pickle + t_serial / N`. More workers divide the work but
+# cost more to start, so the time has a minimum, at `N = sqrt(t_serial / b)`.
+# Every input is measured here; the prediction is for a 16-core machine like
+# this one (same speed per core, same start-up per worker).
 
 # %%
 t_serial = big["serial"]
-t_start = costs["pool of 2 processes (create, one map, close)"]
 t_pickle = pickling[-1] * (sizes[-1] * 8 / (payload_sizes[-1] * 8))  # data there and back
 workers_axis = [1, 2, 4, 8, 16]
-model = [t_start + t_pickle + t_serial / n for n in workers_axis]
+model = [fixed + per_worker * n + t_pickle + t_serial / n for n in workers_axis]
 pred = reference.predicted(
     {"x": workers_axis, "y": model}, "s", "a 16-core CPU like this one",
-    "t(N) = pool start-up + pickling + serial time / N, each measured here "
-    f"(start-up {format_seconds(t_start)}, pickling {format_seconds(t_pickle)}, "
+    "t(N) = a + b N (pool start-up, fitted in section 1) + pickling + serial "
+    f"time / N, each measured here (a {format_seconds(fixed)}, b "
+    f"{format_seconds(per_worker)} per worker, pickling {format_seconds(t_pickle)}, "
     f"serial {format_seconds(t_serial)})")
 print(f"{pred.legend}: " + ", ".join(f"{n} workers {format_seconds(t)}"
                                       for n, t in zip(workers_axis, model, strict=True)))
-print(f"best possible with 16 workers: {t_serial / model[-1]:.1f}x the serial loop; "
-      f"the vectorised line is {t_serial / big['vectorised (numpy)']:.0f}x")
+best_n = (t_serial / per_worker) ** 0.5 if per_worker > 0 else float("inf")
+print(f"the model's best number of workers: about {best_n:.0f}; with 16 workers at "
+      f"most {t_serial / model[-1]:.1f}x the serial loop, while the vectorised line "
+      f"was {t_serial / big['vectorised (numpy)']:.0f}x")
 
 # %% [markdown]
 # ### Try it: how big must the work be?
@@ -468,15 +460,14 @@ def time_map(executor, chunksize):
 
 fork = mp.get_context("fork")
 with cf.ProcessPoolExecutor(2, mp_context=fork, initializer=pool_initializer,
-                            initargs=(os.getpid(),)) as ex:
+                            initargs=(os.getpid(),)) as ex, \
+        cf.ThreadPoolExecutor(2) as threads:
     time_map(ex, 1000)  # start the workers
-    chunk_times = {c: time_map(ex, c) for c in (1, 100, 1000)}
-with cf.ThreadPoolExecutor(2) as ex:
-    thread_time_ = time_map(ex, 1)
-for c, t in chunk_times.items():
-    print(f"ProcessPoolExecutor, chunksize {c:>5}: {format_seconds(t):>10}")
-print(f"ThreadPoolExecutor (no pickling):     {format_seconds(thread_time_):>10}")
-print(f"chunksize 1 costs {chunk_times[1] / chunk_times[1000]:.0f}x chunksize 1000 here")
+    chunks = compare({f"processes, chunksize {c}": lambda c=c: time_map(ex, c)
+                      for c in (1000, 100, 1)}
+                     | {"threads (no pickling)": lambda: time_map(threads, 1)},
+                     repeats=3)  # the workers' CPU seconds count too
+print(chunks)
 
 # %% [markdown]
 # ## 5. Start methods, in a notebook
@@ -538,22 +529,21 @@ with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
 
 # %%
 M = torch.randn(768, 768)
-thread_counts = list(range(1, CORES + 1))
-mm_times = {}
+
+
+def matmul_on(k):
+    def run():
+        torch.set_num_threads(k)
+        M @ M
+    return run
+
+
 saved = torch.get_num_threads()
 try:
-    for k in thread_counts:
-        torch.set_num_threads(k)
-        M @ M  # warm-up
-        mm_times[k] = min(fastest(lambda: M @ M, tries=5) for _ in range(2))
+    print(compare({f"{k} thread{'s' if k > 1 else ''}": matmul_on(k)
+                   for k in range(1, CORES + 1)}, repeats=3))
 finally:
     torch.set_num_threads(saved)
-for k, t in mm_times.items():
-    print(f"{k} thread(s): {format_seconds(t):>10}  ({mm_times[1] / t:.2f}x one thread)")
-if CORES > 1:
-    best = mm_times[1] / mm_times[CORES]
-    print("verdict:", f"{best:.2f}x with {CORES} threads" + (
-        "" if best > 1.2 else " - another program was using a core"))
 
 # %% [markdown]
 # ## Summary
