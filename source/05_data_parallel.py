@@ -35,7 +35,6 @@
 # %%
 import copy
 import threading
-import time
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -45,13 +44,13 @@ from torch import nn
 from torch.func import functional_call
 
 from course_utils import banner, predict, reference, try_all_gpus
-from course_utils.bench import format_seconds
 from course_utils.build import ROOT
 from course_utils.checks.ch05 import (
     check_data_parallel_step,
     check_dp_running_mean,
     check_scatter_batch,
 )
+from course_utils.compare import compare as compare_timings
 
 banner()
 GPUS = try_all_gpus() if torch.cuda.is_available() else []
@@ -406,22 +405,38 @@ print("caveat: the DDP line's all-reduce is calibrated (python -m "
 # thread holds the GIL while Python code runs (Chapter 4), so only the parts
 # of a forward pass spent inside C++ operators run at the same time. Large
 # layers spend most of their time there; small ones spend it in Python. On
-# top of that, replicate copies the parameters at every step. Below, a small
-# and a large model, run by our hand-made primitives on one thread (one
-# "device") and on two, with the CPU time / wall time of each.
+# top of that, replicate copies the parameters at every step.
+#
+# And the backward pass? `loss.backward()` hands the graph to autograd's
+# engine, which runs each device's part on a thread of its own for that
+# device: on GPUs, every replica's backward runs at once. Every "device" here
+# is the CPU, and the engine runs all CPU work on the thread that called
+# `backward()` - so our `data_parallel` runs the replicas' backward passes one
+# after the other, and only the forward pass is parallel. To see what GPUs
+# get, `parallel_backward` below starts each replica's backward in its own
+# thread, from the gradient that the loss sends to its output. Below, a small
+# and a large model, one training step on one "device", and on two with each
+# kind of backward, compared with the course's protocol (Chapter 4).
 
 # %%
-def time_dp(model, x, n_devices, repeats=5):
+def parallel_backward(outputs, grads):
+    """Each replica's backward in its own thread, as autograd does per GPU."""
+    threads = [threading.Thread(target=torch.autograd.backward, args=(o, g))
+               for o, g in zip(outputs, grads, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def dp_step(model, x, n_devices, backward_per_replica):
     devs = [torch.device("cpu")] * n_devices
-    data_parallel(model, x, devs).sum().backward()  # warm-up
-    best, busy = float("inf"), 0.0
-    for _ in range(repeats):
-        c0, w0 = time.process_time(), time.perf_counter()
-        data_parallel(model, x, devs).sum().backward()
-        wall = time.perf_counter() - w0
-        if wall < best:
-            best, busy = wall, (time.process_time() - c0) / wall
-    return best, busy
+    if not backward_per_replica:  # the backward on this one thread, as on a CPU
+        return data_parallel(model, x, devs).sum().backward()
+    outputs = parallel_apply(replicate(model, devs), scatter(x, devs))
+    ends = [o.detach().requires_grad_() for o in outputs]
+    gather(ends, devs[0]).sum().backward()  # the loss's own backward, on device 0
+    parallel_backward(outputs, [e.grad for e in ends])
 
 
 saved = torch.get_num_threads()
@@ -431,20 +446,28 @@ try:
                               ("large: 8 x Linear(512), 512 rows", 512, 512)):
         net = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
         xb = torch.randn(rows, width)
-        (t1, b1), (t2, b2) = time_dp(net, xb, 1), time_dp(net, xb, 2)
-        verdict = ("faster on two threads" if t1 / t2 > 1.1 else
-                   "no faster on two threads")
-        print(f"{name}: 1 thread {format_seconds(t1)}, 2 threads {format_seconds(t2)} "
-              f"({t1 / t2:.2f}x, {b2:.1f} busy cores) - {verdict}")
+        print(name)
+        print(compare_timings({
+            "1 device": lambda net=net, xb=xb: dp_step(net, xb, 1, False),
+            "2, backward on one thread": lambda net=net, xb=xb: dp_step(net, xb, 2,
+                                                                        False),
+            "2, backward per replica": lambda net=net, xb=xb: dp_step(net, xb, 2,
+                                                                      True),
+        }, repeats=3), end="\n\n")
 finally:
     torch.set_num_threads(saved)
 
 # %% [markdown]
-# Read the two verdicts: the small model gains nothing (or loses) from a
-# second thread - its time goes to Python and to the threads' overhead - while
-# the large one can gain, up to the cores available. On GPUs the same holds
-# for the Python side: DataParallel's one process must launch every kernel of
-# every replica, and its threads take turns doing so.
+# Read the verdicts and the busy cores. The small model cannot gain from a
+# second thread: its time goes to Python, which the GIL runs one thread at a
+# time, and to the threads' overhead. The large one spends its time in C++
+# operators, and can gain when a second core is free - with the backward on
+# one thread only the forward pass (about a third of the step) is shared, so
+# at most about 1.2x on two cores (Amdahl's law, Chapter 1); with a backward
+# per replica, up to about 2x. When another program holds a core, the verdict
+# says "disturbed" instead.
+# On GPUs the same holds for the Python side: DataParallel's one process must
+# launch every kernel of every replica, and its threads take turns doing so.
 #
 # ## 7. BatchNorm under DataParallel
 #
