@@ -93,7 +93,7 @@ def _attention_rank(rank: int, world_size: int, fns: list, case) -> list:
             if not isinstance(out, torch.Tensor):
                 results.append({"error": f"it returned a {type(out).__name__}"})
                 continue
-            if out.requires_grad:
+            if out.requires_grad and out.shape == grad_out.shape:
                 (out * grad_out).sum().backward()
             results.append({"out": out.detach(), "x_grad": xs.grad,
                             "w_grads": [w.grad for w in ws],
@@ -134,11 +134,18 @@ def judge_attention(ranks: list[dict], case) -> None:
     (ref * grad_out).sum().backward()
     for rank, r in enumerate(ranks):
         if "error" in r:
+            err = r["error"]
             hint = ("reshape with this rank's head count: view(b, s, -1, head_dim), "
                     "or n_heads // world_size heads"
-                    if "invalid for input of size" in r["error"] else
-                    "keep every tensor in x's dtype (x.dtype), and slice the weights "
-                    "of this rank's heads" if "dtype" in r["error"].lower()
+                    if "invalid for input of size" in err else
+                    "rank r's heads are rows of wq, wk and wv but columns of wo "
+                    "(wo[:, mine]): the output projection is row-parallel"
+                    if "mat1 and mat2" in err else
+                    "every rank must call the same collectives, in the same order: "
+                    "a peer left while this rank still waited in one"
+                    if "by peer" in err or "imed out" in err else
+                    "keep every tensor in x's dtype (x.dtype): the checker also "
+                    "runs float64" if "dtype" in err.lower() or "cast" in err
                     else "fix that error and run the exercise cell again")
             fail(ex, f"the function to run ({where})",
                  f"rank {rank}: {r['error']}", hint)
@@ -147,11 +154,36 @@ def judge_attention(ranks: list[dict], case) -> None:
                  f"shape {tuple(r['out'].shape)} on rank {rank}",
                  "return the full output (all heads, summed over the ranks), not "
                  "this rank's slice")
+        if r["out"].dtype != dtype:
+            fail(ex, f"an output in x's dtype, {dtype} ({where})",
+                 f"{r['out'].dtype} on rank {rank}",
+                 "keep every tensor in x's dtype (x.dtype): the checker also runs "
+                 "float64")
         if not r["requires_grad"]:
             fail(ex, f"an output that autograd can differentiate ({where})",
                  "an output with requires_grad=False",
                  "use the weights and x themselves (no .detach(), .data or "
                  "torch.no_grad()), and an autograd Function around the all-reduce")
+    names = ("wq", "wk", "wv", "wo")
+    for rank, r in enumerate(ranks):
+        for name, g in zip(names, r["w_grads"], strict=True):
+            if g is None:
+                fail(ex, f"a gradient for {name} on every rank ({where})",
+                     f"{name}.grad is None on rank {rank}",
+                     "slice the weights themselves (w[rows]), without .detach(), "
+                     ".data or a copy, so that the gradient reaches them")
+    heads = [_heads_used(r["w_grads"], n_heads, head_dim) for r in ranks]
+    for rank, used in enumerate(heads):
+        if len(used) != n_heads // world:
+            fail(ex, f"{n_heads // world} of the {n_heads} heads computed on each "
+                 f"rank ({where})", f"rank {rank} used the weights of "
+                 f"{len(used)} heads: {sorted(used)}",
+                 "split the heads by dist.get_world_size(): each rank computes "
+                 "n_heads / world_size heads, and only those")
+    if set().union(*heads) != set(range(n_heads)):
+        fail(ex, f"every head computed by one rank ({where})",
+             f"heads per rank {[sorted(h) for h in heads]}",
+             "rank r takes the r-th block of heads (use dist.get_rank())")
     outs = [r["out"] for r in ranks]
     total = sum(o.double() for o in outs)
     for rank, out in enumerate(outs):
@@ -172,18 +204,6 @@ def judge_attention(ranks: list[dict], case) -> None:
              f" on rank {rank}",
              "rank r's heads are rows r*dim/world:(r+1)*dim/world of wq, wk and wv "
              "and the same columns of wo; reshape with view(b, s, -1, head_dim)")
-    heads = [_heads_used(r["w_grads"], n_heads, head_dim) for r in ranks]
-    for rank, used in enumerate(heads):
-        if len(used) != n_heads // world:
-            fail(ex, f"{n_heads // world} of the {n_heads} heads computed on each "
-                 f"rank ({where})", f"rank {rank} used the weights of "
-                 f"{len(used)} heads: {sorted(used)}",
-                 "split the heads by dist.get_world_size(): each rank computes "
-                 "n_heads / world_size heads, and only those")
-    if set().union(*heads) != set(range(n_heads)):
-        fail(ex, f"every head computed by one rank ({where})",
-             f"heads per rank {[sorted(h) for h in heads]}",
-             "rank r takes the r-th block of heads (use dist.get_rank())")
     for rank, r in enumerate(ranks):
         gx = r["x_grad"]
         if gx is None:
@@ -201,7 +221,6 @@ def judge_attention(ranks: list[dict], case) -> None:
              f"rank {rank}'s x.grad is only its own heads' share",
              "wrap x in the f operator (identity forward, all-reduce of the "
              "gradient backward) before the projections")
-    names = ("wq", "wk", "wv", "wo")
     for i, name in enumerate(names):
         total = sum(r["w_grads"][i].double() for r in ranks)
         if _close(total, wr[i].grad, dtype):
@@ -380,15 +399,23 @@ def judge_plan(per_mode: dict) -> None:
         mode = f"sequence_parallel={sp}"
         if "error" in r:
             err = r["error"]
-            hint = ("a row-parallel layer takes the column-parallel output as it is "
-                    "(sharded on the last dimension): pair ColwiseParallel on q, k, "
-                    "v, gate and up with RowwiseParallel on out_proj and down"
-                    if any(k in err for k in ("mat1 and mat2", "size of tensor a",
-                                              "shape", "match"))
-                    else "a DTensor met a plain tensor: every linear on the way "
-                    "needs a style, and under SP the sequence must be gathered "
-                    "before a replicated input" if "mixed torch.Tensor and DTensor"
-                    in err else "fix that error and run the exercise cell again")
+            if "batch_size" in err:
+                hint = ("under sequence parallelism the embedding must return "
+                        "sequence shards: RowwiseParallel(input_layouts=Replicate(), "
+                        "output_layouts=Shard(1)) on tok_embeddings, so that the "
+                        "norms get what SequenceParallel expects")
+            elif any(k in err for k in ("mat1 and mat2", "size of tensor a",
+                                        "reduction dim", "shape")):
+                hint = ("a row-parallel layer takes the column-parallel output as "
+                        "it is (sharded on the last dimension): pair ColwiseParallel "
+                        "on q, k, v, gate and up with RowwiseParallel on out_proj "
+                        "and down")
+            elif "mixed torch.Tensor and DTensor" in err:
+                hint = ("a DTensor met a plain tensor: every linear on the way "
+                        "needs a style, and under SP the sequence must be gathered "
+                        "before a replicated input")
+            else:
+                hint = "fix that error and run the exercise cell again"
             fail(ex, f"the plan to run ({mode})", err, hint)
         flat = [n for n, ok in r["sharded"].items() if not ok]
         if flat:
@@ -626,6 +653,9 @@ def check_predicted_counts(predict_collectives: Callable) -> None:
                      "all_reduce": 14, "all_gather": 1, "reduce_scatter": 0}:
             hint = ("the same counts at every depth: each block adds its own "
                     "collectives, so the counts grow with n_layers")
+        elif not sp and got["all_reduce"] == want["all_reduce"] - 2 * depth:
+            hint = ("wq, wk and wv are three separate column-parallel linears "
+                    "here: each all-reduces its input's gradient in backward")
         elif sp and got["all_reduce"] > want["all_reduce"]:
             hint = ("under sequence parallelism each all-reduce became a "
                     "reduce-scatter plus an all-gather")

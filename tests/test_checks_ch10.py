@@ -1,0 +1,645 @@
+"""Chapter 10's checkers: right answers written differently pass, and typical
+mistakes fail with a message that names them.
+
+Each exercise's answers run together in one launch per world size (the
+checkers' rank functions take a list of answers), then each is judged by the
+checker's own judge; one test per exercise also runs the whole checker."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel as Columns
+
+from course_utils.checks import ch10
+from course_utils.exercises import ExerciseFailed
+
+
+def placeholder(*args):
+    raise NotImplementedError("Exercise 10.x")
+
+
+def rejected(judge, *args):
+    with pytest.raises(ExerciseFailed) as e:
+        judge(*args)
+    return str(e.value)
+
+
+# ------------------------------------------------------------------ 10.1
+
+class Copy(torch.autograd.Function):  # f
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class Reduce(torch.autograd.Function):  # g
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _mine(dim):
+    r, n = dist.get_rank(), dist.get_world_size()
+    return slice(r * dim // n, (r + 1) * dim // n)
+
+
+def _heads(x, ws, rows, head_dim):
+    b, s, _ = x.shape
+    q, k, v = (F.linear(x, w[rows]).view(b, s, -1, head_dim).transpose(1, 2)
+               for w in ws)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def attn_solution(x, wq, wk, wv, wo, n_heads):
+    dim = x.shape[-1]
+    rows = _mine(dim)
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, dim // n_heads)
+    return Reduce.apply(F.linear(out, wo[:, rows]))
+
+
+def attn_strided_heads(x, wq, wk, wv, wo, n_heads):  # heads r, r + n, r + 2n...
+    r, n = dist.get_rank(), dist.get_world_size()
+    hd = x.shape[-1] // n_heads
+    rows = torch.cat([torch.arange(h * hd, (h + 1) * hd)
+                      for h in range(r, n_heads, n)])
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, hd)
+    return Reduce.apply(F.linear(out, wo[:, rows]))
+
+
+def attn_hook_and_inplace(x, wq, wk, wv, wo, n_heads):
+    """f as a gradient hook on x; g as an in-place all_reduce (identity backward)."""
+    if x.requires_grad:
+        x.register_hook(lambda g: Reduce.apply(g))
+    rows = _mine(x.shape[-1])
+    out = F.linear(_heads(x, (wq, wk, wv), rows, x.shape[-1] // n_heads),
+                   wo[:, rows])
+    dist.all_reduce(out)
+    return out
+
+
+class HeadParallel(torch.nn.Module):  # a class, one head at a time, no SDPA
+    def __init__(self, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, x, wq, wk, wv, wo):
+        b, s, dim = x.shape
+        hd = dim // self.n_heads
+        per_rank = self.n_heads // dist.get_world_size()
+        first = dist.get_rank() * per_rank
+        x = Copy.apply(x)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        total = 0
+        for h in range(first, first + per_rank):
+            rows = slice(h * hd, (h + 1) * hd)
+            q, k, v = (x @ w[rows].t() for w in (wq, wk, wv))
+            scores = (q @ k.transpose(1, 2)) / math.sqrt(hd)
+            weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            total = total + (weights @ v) @ wo[:, rows].t()
+        return Reduce.apply(total)
+
+
+def attn_class(x, wq, wk, wv, wo, n_heads):
+    return HeadParallel(n_heads)(x, wq, wk, wv, wo)
+
+
+def attn_local_heads(x, wq, wk, wv, wo, n_heads):  # n_heads // world in the view
+    b, s, dim = x.shape
+    local = n_heads // dist.get_world_size()
+    rows = _mine(dim)
+    x = Copy.apply(x)
+    q, k, v = (F.linear(x, w[rows]).view(b, s, local, dim // n_heads).transpose(1, 2)
+               for w in (wq, wk, wv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=None)
+    return Reduce.apply(F.linear(out.transpose(1, 2).reshape(b, s, -1), wo[:, rows]))
+
+
+RIGHT_ATTENTION = [attn_solution, attn_strided_heads, attn_hook_and_inplace,
+                   attn_class, attn_local_heads]
+
+
+def attn_no_g(x, wq, wk, wv, wo, n_heads):
+    rows = _mine(x.shape[-1])
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, x.shape[-1] // n_heads)
+    return F.linear(out, wo[:, rows])
+
+
+def attn_no_f(x, wq, wk, wv, wo, n_heads):
+    rows = _mine(x.shape[-1])
+    return Reduce.apply(F.linear(_heads(x, (wq, wk, wv), rows,
+                                        x.shape[-1] // n_heads), wo[:, rows]))
+
+
+def attn_all_heads(x, wq, wk, wv, wo, n_heads):  # every rank computes everything
+    return ch10.one_process_attention(x, wq, wk, wv, wo, n_heads)
+
+
+def attn_all_heads_reduced(x, wq, wk, wv, wo, n_heads):
+    return Reduce.apply(ch10.one_process_attention(Copy.apply(x), wq, wk, wv, wo,
+                                                   n_heads))
+
+
+def attn_hard_coded_heads(x, wq, wk, wv, wo, n_heads):  # view(b, s, n_heads, -1)
+    b, s, dim = x.shape
+    rows = _mine(dim)
+    x = Copy.apply(x)
+    q, k, v = (F.linear(x, w[rows]).view(b, s, n_heads, -1).transpose(1, 2)
+               for w in (wq, wk, wv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return Reduce.apply(F.linear(out.transpose(1, 2).reshape(b, s, -1), wo[:, rows]))
+
+
+def attn_two_ranks_only(x, wq, wk, wv, wo, n_heads):  # world size hard-coded
+    dim = x.shape[-1]
+    r = dist.get_rank()
+    rows = slice(min(r * dim // 2, dim), min((r + 1) * dim // 2, dim))
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, dim // n_heads)
+    return Reduce.apply(F.linear(out, wo[:, rows]))
+
+
+def attn_autograd_all_reduce(x, wq, wk, wv, wo, n_heads):  # backward all-reduces too
+    from torch.distributed.nn.functional import all_reduce
+
+    rows = _mine(x.shape[-1])
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, x.shape[-1] // n_heads)
+    return all_reduce(F.linear(out, wo[:, rows]))
+
+
+def attn_local_output(x, wq, wk, wv, wo, n_heads):  # no output projection
+    return _heads(Copy.apply(x), (wq, wk, wv), _mine(x.shape[-1]),
+                  x.shape[-1] // n_heads)
+
+
+def attn_detached_weights(x, wq, wk, wv, wo, n_heads):
+    rows = _mine(x.shape[-1])
+    ws = [w.detach() for w in (wq, wk, wv)]
+    out = _heads(Copy.apply(x), ws, rows, x.shape[-1] // n_heads)
+    return Reduce.apply(F.linear(out, wo[:, rows]))
+
+
+def attn_no_grad(x, wq, wk, wv, wo, n_heads):
+    with torch.no_grad():
+        return attn_no_g(x, wq, wk, wv, wo, n_heads) * 1.0
+
+
+def attn_wo_rows(x, wq, wk, wv, wo, n_heads):  # wo split like wq
+    rows = _mine(x.shape[-1])
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, x.shape[-1] // n_heads)
+    return Reduce.apply(F.linear(out, wo[rows]))
+
+
+def attn_float32_buffer(x, wq, wk, wv, wo, n_heads):  # float32 only
+    rows = _mine(x.shape[-1])
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, x.shape[-1] // n_heads)
+    total = torch.zeros(x.shape)
+    total += F.linear(out, wo[:, rows])
+    return Reduce.apply(total)
+
+
+def attn_rank0_heads(x, wq, wk, wv, wo, n_heads):  # every rank takes rank 0's heads
+    dim = x.shape[-1]
+    rows = slice(0, dim // dist.get_world_size())
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, dim // n_heads)
+    return Reduce.apply(F.linear(out, wo[:, rows]))
+
+
+WRONG_ATTENTION = {
+    attn_no_g: ["partial sum", "g operator"],
+    attn_no_f: ["x.grad", "f operator"],
+    attn_all_heads: ["heads computed on each rank", "only those"],
+    attn_all_heads_reduced: ["used the weights of", "only those"],
+    attn_hard_coded_heads: ["invalid for input", "view(b, s, -1, head_dim)"],
+    attn_two_ranks_only: ["3 ranks", "get_world_size"],
+    attn_autograd_all_reduce: ["2 times", "identity"],
+    attn_local_output: ["shape", "full output"],
+    attn_detached_weights: ["wq.grad is None", ".detach()"],
+    attn_no_grad: ["requires_grad=False"],
+    attn_wo_rows: ["columns of wo"],
+    attn_float32_buffer: ["float64", "dtype"],
+    attn_rank0_heads: ["every head computed by one rank", "get_rank"],
+}
+
+
+@pytest.fixture(scope="module")
+def attention_results():
+    answers = RIGHT_ATTENTION + list(WRONG_ATTENTION)
+    results = {}
+    for case in ch10.ATTENTION_CASES:
+        per_answer = ch10._check_attention_answers(answers, case[0])
+        for fn, ranks in zip(answers, per_answer, strict=True):
+            results[(fn, case[0])] = ranks
+    return results
+
+
+def judge_attention_everywhere(results, fn):
+    for case in ch10.ATTENTION_CASES:
+        ch10.judge_attention(results[(fn, case[0])], case)
+
+
+@pytest.mark.parametrize("fn", RIGHT_ATTENTION, ids=lambda f: f.__name__)
+def test_attention_right_answers_pass(attention_results, fn):
+    judge_attention_everywhere(attention_results, fn)
+
+
+@pytest.mark.parametrize("fn", list(WRONG_ATTENTION), ids=lambda f: f.__name__)
+def test_attention_wrong_answers_fail_with_their_mistake(attention_results, fn):
+    text = rejected(judge_attention_everywhere, attention_results, fn)
+    for word in WRONG_ATTENTION[fn]:
+        assert word in text, text
+
+
+def test_attention_checker_end_to_end(capsys):
+    ch10.check_head_parallel_attention(attn_solution)
+    assert "Exercise 10.1 passed" in capsys.readouterr().out
+    assert "placeholder" in rejected(ch10.check_head_parallel_attention, placeholder)
+
+
+def attn_only_rank0_reduces(x, wq, wk, wv, wo, n_heads):  # a collective on one rank
+    out = attn_no_g(x, wq, wk, wv, wo, n_heads)
+    if dist.get_rank() == 0:
+        dist.all_reduce(out)
+    return out
+
+
+def test_attention_hang_is_stopped(monkeypatch):
+    monkeypatch.setattr(ch10, "TIMEOUT_S", 8)
+    text = rejected(ch10.check_head_parallel_attention, attn_only_rank0_reduces)
+    assert "same collectives" in text, text
+
+
+# ------------------------------------------------------------------ 10.2
+
+BLOCK_TP = {"attention.q_proj": ColwiseParallel(),
+            "attention.k_proj": ColwiseParallel(),
+            "attention.v_proj": ColwiseParallel(),
+            "attention.out_proj": RowwiseParallel(),
+            "feed_forward.gate": ColwiseParallel(),
+            "feed_forward.up": ColwiseParallel(),
+            "feed_forward.down": RowwiseParallel()}
+
+
+def _block_sp(norms=True, gather=True):
+    plan = {"attention.q_proj": ColwiseParallel(),
+            "attention.k_proj": ColwiseParallel(),
+            "attention.v_proj": ColwiseParallel(),
+            "attention.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.gate": ColwiseParallel(),
+            "feed_forward.up": ColwiseParallel(),
+            "feed_forward.down": RowwiseParallel(output_layouts=Shard(1))}
+    if norms:
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    if gather:
+        g = PrepareModuleInput(input_layouts=(Shard(1),),
+                               desired_input_layouts=(Replicate(),))
+        plan |= {"attention": g, "feed_forward": g}
+    return plan
+
+
+TOP_SP = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                            output_layouts=Shard(1)),
+          "final_norm": SequenceParallel(),
+          "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+
+
+def _apply(model, mesh, block_plan, top_plan):
+    for block in model.layers:
+        parallelize_module(block, mesh, block_plan)
+    parallelize_module(model, mesh, top_plan)
+
+
+def plan_solution(model, mesh, sequence_parallel):
+    if sequence_parallel:
+        _apply(model, mesh, _block_sp(), TOP_SP)
+    else:
+        _apply(model, mesh, BLOCK_TP, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate())})
+    return model
+
+
+def plan_wildcards(model, mesh, sequence_parallel):  # one call, "layers.*." keys
+    block = _block_sp() if sequence_parallel else BLOCK_TP
+    plan = {f"layers.*.{k}": v for k, v in block.items()}
+    if sequence_parallel:
+        plan |= TOP_SP
+    parallelize_module(model, mesh, plan)
+
+
+def plan_per_submodule(model, mesh, sequence_parallel):  # attention, then MLP
+    out = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else
+                          Replicate())
+    for block in model.layers:
+        parallelize_module(block.attention, mesh, {
+            "q_proj": Columns(), "k_proj": Columns(), "v_proj": Columns(),
+            "out_proj": out})
+        parallelize_module(block.feed_forward, mesh, {
+            "gate": Columns(), "up": Columns(), "down": out})
+        if sequence_parallel:
+            for name in ("attention_norm", "ffn_norm"):
+                parallelize_module(getattr(block, name), mesh, SequenceParallel())
+            for name in ("attention", "feed_forward"):
+                parallelize_module(getattr(block, name), mesh, PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                    use_local_output=True))
+    if sequence_parallel:
+        parallelize_module(model, mesh, TOP_SP)
+
+
+def plan_blocks_only_tp(model, mesh, sequence_parallel):  # embeddings left whole
+    if sequence_parallel:
+        return plan_solution(model, mesh, True)
+    _apply(model, mesh, BLOCK_TP, {})
+    return model
+
+
+class DTensorLogits:  # a class; the logits come back as a replicated DTensor
+    def __call__(self, model, mesh, sequence_parallel):
+        between = Shard(1) if sequence_parallel else Replicate()
+        block = _block_sp() if sequence_parallel else BLOCK_TP
+        top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=between),
+               "output": ColwiseParallel(input_layouts=between,
+                                         output_layouts=Replicate(),
+                                         use_local_output=False)}
+        if sequence_parallel:
+            top["final_norm"] = SequenceParallel()
+        _apply(model, mesh, block, top)
+        return model
+
+
+RIGHT_PLANS = [plan_solution, plan_wildcards, plan_per_submodule, plan_blocks_only_tp,
+               DTensorLogits()]
+
+
+def plan_nothing(model, mesh, sequence_parallel):
+    return model
+
+
+def plan_attention_only(model, mesh, sequence_parallel):
+    plan = {k: v for k, v in BLOCK_TP.items() if k.startswith("attention")}
+    _apply(model, mesh, plan, {})
+
+
+def plan_all_columns(model, mesh, sequence_parallel):  # every output gathered
+    plan = {k: ColwiseParallel(output_layouts=Replicate()) for k in BLOCK_TP}
+    _apply(model, mesh, plan, {})
+
+
+def plan_down_columns(model, mesh, sequence_parallel):
+    _apply(model, mesh, BLOCK_TP | {"feed_forward.down": ColwiseParallel()}, {})
+
+
+def plan_up_forgotten(model, mesh, sequence_parallel):
+    plan = {k: v for k, v in BLOCK_TP.items() if k != "feed_forward.up"}
+    _apply(model, mesh, plan, {})
+
+
+def plan_sp_ignored(model, mesh, sequence_parallel):
+    return plan_solution(model, mesh, False)
+
+
+def plan_sp_without_norms(model, mesh, sequence_parallel):
+    if not sequence_parallel:
+        return plan_solution(model, mesh, False)
+    _apply(model, mesh, _block_sp(norms=False),
+           {k: v for k, v in TOP_SP.items() if k != "final_norm"})
+
+
+def plan_sp_without_gather(model, mesh, sequence_parallel):
+    if not sequence_parallel:
+        return plan_solution(model, mesh, False)
+    _apply(model, mesh, _block_sp(gather=False), TOP_SP)
+
+
+def plan_sp_replicated_embeddings(model, mesh, sequence_parallel):
+    if not sequence_parallel:
+        return plan_solution(model, mesh, False)
+    top = TOP_SP | {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}
+    _apply(model, mesh, _block_sp(), top)
+
+
+def plan_swapped(model, mesh, sequence_parallel):  # row-parallel first
+    plan = {k: (RowwiseParallel() if isinstance(v, ColwiseParallel) else
+                ColwiseParallel()) for k, v in BLOCK_TP.items()}
+    _apply(model, mesh, plan, {})
+
+
+def plan_without_layer_prefix(model, mesh, sequence_parallel):  # keys match nothing
+    parallelize_module(model, mesh, BLOCK_TP)
+
+
+WRONG_PLANS = {
+    plan_nothing: ["full copy", "ColwiseParallel or RowwiseParallel"],
+    plan_attention_only: ["feed_forward.gate.weight is a full copy"],
+    plan_all_columns: ["no all-gather inside the blocks", "RowwiseParallel"],
+    plan_down_columns: ["to run", "pair ColwiseParallel"],
+    plan_up_forgotten: ["size of tensor", "gate and up"],
+    plan_sp_ignored: ["sequence_parallel=True", "no all-reduce"],
+    plan_sp_without_norms: ["norm", "SequenceParallel()"],
+    plan_sp_without_gather: ["all-gathers in the forward", "once before attention"],
+    plan_sp_replicated_embeddings: ["sequence_parallel=True", "tok_embeddings"],
+    plan_swapped: ["sequence_parallel=False", "pair ColwiseParallel"],
+    plan_without_layer_prefix: ["full copy"],
+}
+
+
+@pytest.fixture(scope="module")
+def plan_results():
+    answers = RIGHT_PLANS + list(WRONG_PLANS)
+    return dict(zip(answers, ch10._check_plan_answers(answers), strict=True))
+
+
+@pytest.mark.parametrize("fn", RIGHT_PLANS, ids=lambda f: getattr(
+    f, "__name__", type(f).__name__))
+def test_plan_right_answers_pass(plan_results, fn):
+    ch10.judge_plan(plan_results[fn])
+
+
+@pytest.mark.parametrize("fn", list(WRONG_PLANS), ids=lambda f: f.__name__)
+def test_plan_wrong_answers_fail_with_their_mistake(plan_results, fn):
+    text = rejected(ch10.judge_plan, plan_results[fn])
+    for word in WRONG_PLANS[fn]:
+        assert word in text, text
+
+
+def test_plan_checker_end_to_end(capsys):
+    ch10.check_parallelize_plan(plan_solution)
+    assert "Exercise 10.2 passed" in capsys.readouterr().out
+    assert "placeholder" in rejected(ch10.check_parallelize_plan, placeholder)
+
+
+# ------------------------------------------------------------------ 10.3
+
+def counts_solution(n_layers, sequence_parallel, loss_parallel):
+    lp = 3 if loss_parallel else 0
+    if not sequence_parallel:
+        return {"all_reduce": 2 + 6 * n_layers + lp,
+                "all_gather": 0 if lp else 1, "reduce_scatter": 0}
+    return {"all_reduce": lp, "all_gather": 4 * n_layers + 2 + (0 if lp else 1),
+            "reduce_scatter": 4 * n_layers + 2}
+
+
+def counts_by_walking(n_layers, sequence_parallel, loss_parallel):
+    """Walk the forward, then the backward, collective by collective."""
+    forward = []
+    sp = sequence_parallel
+    forward.append("reduce_scatter" if sp else "all_reduce")  # embedding
+    for _ in range(n_layers):
+        for _sublayer in ("attention", "mlp"):
+            if sp:
+                forward.append("all_gather")
+            forward.append("reduce_scatter" if sp else "all_reduce")
+    if sp:
+        forward.append("all_gather")  # the head's input
+    if not loss_parallel:
+        forward.append("all_gather")  # the logits
+    backward = []
+    for op in forward:
+        if op == "reduce_scatter":
+            backward.append("all_gather")
+        elif op == "all_gather":
+            backward.append("reduce_scatter")
+    if sp and not loss_parallel:
+        backward.remove("reduce_scatter")  # gathering the logits: split back, free
+    elif not sp:
+        backward = ["all_reduce"] * (1 + 4 * n_layers)  # each column entry's f
+    ops = forward + backward + ["all_reduce"] * (3 if loss_parallel else 0)
+    return {name: ops.count(name) for name in ch10.COLLECTIVES}
+
+
+class CountTable:
+    def __call__(self, n_layers, sequence_parallel, loss_parallel):
+        return {k: v for k, v in counts_solution(
+            n_layers, sequence_parallel, loss_parallel).items() if v}  # zeros left out
+
+
+def counts_as_floats(n_layers, sequence_parallel, loss_parallel):
+    return {k: float(v) for k, v in counts_solution(
+        n_layers, sequence_parallel, loss_parallel).items()}
+
+
+def counts_as_tensors(n_layers, sequence_parallel, loss_parallel):
+    return {k: int(torch.tensor(v)) for k, v in counts_solution(
+        n_layers, bool(sequence_parallel), bool(loss_parallel)).items()}
+
+
+RIGHT_COUNTS = [counts_solution, counts_by_walking, CountTable(), counts_as_floats,
+                counts_as_tensors]
+
+
+def counts_constant(n_layers, sequence_parallel, loss_parallel):  # the 2-layer table
+    if sequence_parallel:
+        return {"all_gather": 11, "reduce_scatter": 10}
+    return {"all_reduce": 17, "all_gather": 0} if loss_parallel else {
+        "all_reduce": 14, "all_gather": 1}
+
+
+def counts_forward_only(n_layers, sequence_parallel, loss_parallel):
+    sp = sequence_parallel
+    return {"all_reduce": 0 if sp else 1 + 2 * n_layers,
+            "all_gather": (2 * n_layers + 1 if sp else 0) + (0 if loss_parallel else 1),
+            "reduce_scatter": 1 + 2 * n_layers if sp else 0}
+
+
+def counts_sp_as_all_reduce(n_layers, sequence_parallel, loss_parallel):
+    return counts_solution(n_layers, False, loss_parallel)
+
+
+def counts_lp_ignored(n_layers, sequence_parallel, loss_parallel):
+    return counts_solution(n_layers, sequence_parallel, False)
+
+
+def counts_lp_keeps_gather(n_layers, sequence_parallel, loss_parallel):
+    c = counts_solution(n_layers, sequence_parallel, loss_parallel)
+    if loss_parallel:
+        c["all_gather"] += 1
+    return c
+
+
+def counts_lp_always(n_layers, sequence_parallel, loss_parallel):
+    c = counts_solution(n_layers, sequence_parallel, True)
+    c["all_gather"] = counts_solution(n_layers, sequence_parallel, False)["all_gather"]
+    return c
+
+
+def counts_fused_qkv(n_layers, sequence_parallel, loss_parallel):
+    c = counts_solution(n_layers, sequence_parallel, loss_parallel)
+    if not sequence_parallel:
+        c["all_reduce"] -= 2 * n_layers
+    return c
+
+
+def counts_wrong_names(n_layers, sequence_parallel, loss_parallel):
+    return {"allreduce": 14, "allgather": 1}
+
+
+def counts_as_list(n_layers, sequence_parallel, loss_parallel):
+    return list(counts_solution(n_layers, sequence_parallel, loss_parallel).values())
+
+
+def counts_swapped_kinds(n_layers, sequence_parallel, loss_parallel):
+    c = counts_solution(n_layers, sequence_parallel, loss_parallel)
+    c["all_gather"], c["reduce_scatter"] = c["reduce_scatter"], c["all_gather"]
+    return c
+
+
+def counts_fractional(n_layers, sequence_parallel, loss_parallel):
+    return {k: v / 2 for k, v in counts_solution(
+        n_layers, sequence_parallel, loss_parallel).items()}
+
+
+WRONG_COUNTS = {
+    counts_constant: ["same counts at every depth"],
+    counts_forward_only: ["forward's collectives only"],
+    counts_sp_as_all_reduce: ["reduce-scatter plus an all-gather"],
+    counts_lp_ignored: ["loss_parallel=True", "no all-gather of the logits"],
+    counts_lp_keeps_gather: ["no all-gather of the logits"],
+    counts_lp_always: ["only come with loss_parallel"],
+    counts_fused_qkv: ["three separate column-parallel linears"],
+    counts_wrong_names: ["only the keys", "'allreduce'"],
+    counts_as_list: ["a dict of counts"],
+    counts_swapped_kinds: ["wrong kinds"],
+    counts_fractional: ["whole number"],
+}
+
+
+@pytest.mark.parametrize("fn", RIGHT_COUNTS, ids=lambda f: getattr(
+    f, "__name__", type(f).__name__))
+def test_counts_right_answers_pass(fn, capsys):
+    ch10.check_predicted_counts(fn)
+    assert "Exercise 10.3 passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn", list(WRONG_COUNTS), ids=lambda f: f.__name__)
+def test_counts_wrong_answers_fail_with_their_mistake(fn):
+    text = rejected(ch10.check_predicted_counts, fn)
+    for word in WRONG_COUNTS[fn]:
+        assert word in text, text
+
+
+def test_counts_placeholder():
+    assert "placeholder" in rejected(ch10.check_predicted_counts, placeholder)
