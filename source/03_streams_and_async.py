@@ -68,6 +68,7 @@ from course_utils.checks.ch03 import (
     check_prefetcher,
     host_batches,
 )
+from course_utils.compare import compare
 from course_utils.devices import usable_cores
 from course_utils.plots import FIGURE_STYLE, figure_style, plot_timeline
 
@@ -651,42 +652,27 @@ def run_two_loops(n, reps, threads):
             "spans": spans}
 
 
-def thread_verdict(seq, par):
-    speedup, busy = seq["wall"] / par["wall"], par["cpu"] / par["wall"]
-    if speedup >= 1.3:
-        return (f"parallel here: {speedup:.2f}x faster, {busy:.2f} cores busy on "
-                "average")
-    if busy < 1.3:
-        return (f"no speed-up here ({speedup:.2f}x): the two threads kept only "
-                f"{busy:.2f} cores busy, so a second core was not free for them "
-                f"(load average {os.getloadavg()[0]:.1f})")
-    return (f"no speed-up here ({speedup:.2f}x) although {busy:.2f} cores were "
-            f"busy: each matmul cost {par['cpu'] / seq['cpu']:.2f}x the CPU time it "
-            "took one after the other - the threads slowed each other down (shared "
-            "caches and memory, or two logical cores on one physical core), or "
-            "another program did")
-
-
 n_cpu, reps_cpu = 320, 10
 default_threads = torch.get_num_threads()
+seq_runs, par_runs = [], []
 try:
     torch.set_num_threads(1)
-    run_two_loops(n_cpu, 2, threads=False)  # warm-up
-    # alternate the two, so that a burst of other work on the machine hits both
-    runs = [run_two_loops(n_cpu, reps_cpu, threads)
-            for _ in range(3) for threads in (False, True)]
-    seq = min(runs[0::2], key=lambda r: r["wall"])
-    par = min(runs[1::2], key=lambda r: r["wall"])
+    two_loops = compare({  # interleaved, with CPU seconds and busy cores (Chapter 4)
+        "one after the other": lambda: seq_runs.append(
+            run_two_loops(n_cpu, reps_cpu, threads=False)),
+        "two threads at once": lambda: par_runs.append(
+            run_two_loops(n_cpu, reps_cpu, threads=True))}, repeats=3)
     torch.set_num_threads(default_threads)
     wide = min((run_two_loops(n_cpu, reps_cpu, False) for _ in range(2)),
                key=lambda r: r["wall"])
 finally:
     torch.set_num_threads(default_threads)  # restore for the rest of the notebook
+print(two_loops)
+# the pictures below show a run of each kind of median length
+seq, par = (sorted(r, key=lambda r: r["wall"])[len(r) // 2] for r in (seq_runs, par_runs))
 for name, r in (("one after the other", seq), ("two threads at once", par)):
     per_thread = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["threads"].items())
-    print(f"{name:>20}: wall {r['wall'] * 1e3:5.1f} ms, CPU {r['cpu'] * 1e3:5.1f} ms "
-          f"(loops: {per_thread}), busy cores {r['cpu'] / r['wall']:.2f}")
-print("verdict:", thread_verdict(seq, par))
+    print(f"drawn below, {name}: wall {r['wall'] * 1e3:.1f} ms (loops: {per_thread})")
 print(f"one loop with torch's default {default_threads} intra-op threads kept "
       f"{wide['cpu'] / wide['wall']:.2f} cores busy (of {usable_cores()}): what one "
       "matmul leaves idle is all a second thread can use")
@@ -729,7 +715,7 @@ for f in sweep_figures:
         speedup = [t1 / t2 for t1, t2 in zip(v["one_stream_s"], v["two_streams_s"],
                                              strict=True)]
         ax.plot(v["sizes"], speedup, label=f.legend, **figure_style(f.kind))
-ax.plot([n_cpu], [seq["wall"] / par["wall"]], color="black", ms=8,
+ax.plot([n_cpu], [two_loops.ratio], color="black", ms=8,
         label=f"{cpu_fig.legend} (two threads, one core each)",
         **figure_style("measured"))
 ax.axhline(1.0, color="gray", lw=1)
@@ -1619,9 +1605,7 @@ print("CPU analogue, measured here (section 3): loop A alone "
       f"{loop_wall['A'] * 1e3:.1f} "
       f"ms, loop B alone {loop_wall['B'] * 1e3:.1f} ms, both in two threads "
       f"{par['wall'] * 1e3:.1f} ms = {both:.2f}x the longer one alone")
-print("verdict:", "they overlapped, as two GPUs would" if both < 1.5 else
-      "they took turns (about one after the other): no free core" if both <= 2.1 else
-      "slower than one after the other: the threads fought over one busy core")
+print("verdict of section 3's comparison:", two_loops.verdict)
 
 # %% [markdown]
 # **Seed 001's picture, drawn.** The seed ends with a figure of a two-layer
