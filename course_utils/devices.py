@@ -391,11 +391,10 @@ def _nvml_names() -> list[str]:
 def gpu_names() -> list[str]:
     """Names of the GPUs, read without initialising CUDA. Chapter 0.
 
-    Once CUDA is initialised in a process, forked children cannot use it, so
-    a notebook that launches worker processes must not initialise it just to
-    print a banner: NVML answers from outside CUDA (``CUDA_VISIBLE_DEVICES``
-    is honoured when it lists indices). Where CUDA is initialised already,
-    torch is asked directly.
+    Printing a banner should not cost a CUDA context (GPU memory and a moment
+    of start-up) on every GPU: NVML answers from outside CUDA
+    (``CUDA_VISIBLE_DEVICES`` is honoured when it lists indices). Where CUDA
+    is initialised already, torch is asked directly.
     """
     n = gpu_count()
     if not n:
@@ -432,11 +431,7 @@ def banner() -> str:
         line = (
             f"{n} GPU{'s' if n > 1 else ''} ({', '.join(names)}) + CPU ({cpu})"
             f" - GPU cells run for real{kernels}"
-            + (
-                "; multi-device cells pair the GPU with CPU processes"
-                if n == 1
-                else "; collectives use nccl"
-            )
+            "; collectives use nccl where every rank has a GPU, gloo otherwise"
         )
     print(line)
     return line
