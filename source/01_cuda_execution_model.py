@@ -54,13 +54,13 @@ import torch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from course_utils import banner, bench, for_device, plots, predict, reference, try_gpu
+from course_utils.compare import compare
 from course_utils.devices import (
     FP32_LANES_PER_SM,
     DoesNotFit,
     check_fits,
     cpu_facts,
     kernel_target,
-    usable_cores,
     usable_physical_cores,
 )
 from course_utils.warps import count_divergent_warps, trace_sectors
@@ -1556,15 +1556,15 @@ amdahl_plot = widgets.interact(  # n in powers of two, as the plot's axis
 # get p for this job, then the same job on two workers, and compare the
 # measured speed-up with Amdahl's prediction for n = 2. The one- and
 # two-worker runs alternate, so that a burst of load elsewhere hits both
-# alike, and each side keeps its fastest run, since other programs on the
-# machine can only make a run slower. A result that Amdahl's law forbids (more
-# than the bound) can only come from such disturbance, and the cell says so.
+# alike, and the machine's own counters tell whether other programs used the
+# cores meanwhile: then the verdict says "disturbed" instead of a speed-up. A
+# result that Amdahl's law forbids (more than the bound) can only come from
+# such disturbance, and the cell says so too.
 # Processes, not threads: Python's GIL lets only one thread run Python code at
 # a time (Chapter 4).
 
 # %%
 import multiprocessing as mp
-import os
 
 
 def burn(iterations):
@@ -1590,28 +1590,21 @@ if "fork" in mp.get_all_start_methods():
     runs = {1: [], 2: []}
     with mp.get_context("fork").Pool(2) as pool:
         pool.map_async(burn, [1000, 1000]).get(timeout=60)  # start the workers first
-        for _ in range(4):  # alternate: 1 worker, 2 workers, 1, 2, ...
-            for workers in (1, 2):
-                runs[workers].append(run_job(workers, serial_iters, parallel_iters,
-                                             pool))
-    one, two = min(runs[1], key=sum), min(runs[2], key=sum)
+        # 1 worker, 2 workers, 1, 2, ...: the course's comparison protocol
+        # (Chapter 4), which counts the workers' CPU seconds too
+        result = compare({f"{w} worker{'s' if w > 1 else ''}": lambda w=w: runs[w].append(
+            run_job(w, serial_iters, parallel_iters, pool)) for w in (1, 2)},
+            repeats=4, warmup=0)
+    one = sorted(runs[1], key=sum)[len(runs[1]) // 2]  # a run of median length
     p_measured = one[1] / sum(one)
-    speedup = sum(one) / sum(two)
+    speedup = result.ratio
     bound = amdahl(p_measured, 2)
-    print(f"1 worker:  {sum(one):.3f} s (parallel fraction p = {p_measured:.2f})")
-    print(f"2 workers: {sum(two):.3f} s -> measured speed-up {speedup:.2f}x, "
-          f"Amdahl's bound {bound:.2f}x")
-    print(f"load average over the last minute: {os.getloadavg()[0]:.1f} "
-          f"on {usable_cores()} cores")
-    if speedup > 1.05 * bound:
-        verdict = ("impossible by Amdahl's law, so the runs were disturbed by load "
-                   "(the one-worker runs were slowed down more): run it again")
-    elif speedup < 1.2:
-        verdict = ("hardly any speed-up: the second core was busy with other "
-                   "programs, so there was no free core to gain")
-    else:
-        verdict = f"below the bound, at {speedup / bound:.0%} of it, as the law says"
-    print("verdict:", verdict)
+    print(result)
+    print(f"parallel fraction p = {p_measured:.2f} -> Amdahl's bound {bound:.2f}x; "
+          f"measured {speedup:.2f}x (medians)")
+    if result.outcome != "disturbed" and speedup > 1.05 * bound:
+        print("but above the bound, which Amdahl's law forbids: the runs were "
+              "disturbed after all - run it again")
     procs = np.arange(1, 9)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(procs, amdahl(p_measured, procs), marker=".",
@@ -1628,11 +1621,11 @@ else:
     print("this platform has no 'fork' start method; run the chapter on Linux to measure")
 
 # %% [markdown]
-# On an otherwise idle machine the measured point should be close to the
+# On an otherwise idle machine the measured point lies close to the
 # prediction, and a little below it: handing work to the pool and collecting
-# results is more serial work. If the load average printed above is near or
-# above the number of cores, other programs are using them, and the measured
-# speed-up falls well below the curve - there is no free core to gain. Amdahl's law
+# results is more serial work. When other programs use the cores, the
+# measured speed-up falls below the curve - there is no free core to gain -
+# and the verdict says the run was disturbed. Amdahl's law
 # assumes perfect splitting, no overhead and idle processors, so it is an upper
 # bound.
 #
