@@ -53,6 +53,8 @@ from course_utils.devices import format_bytes, gpu_count
 from course_utils.dist import launch
 
 banner()
+torch.set_num_threads(1)  # this process only computes small tensors: one thread
+# is as fast, and does not fight other programs for the cores
 
 
 def rank_device(rank):
@@ -220,11 +222,16 @@ def unshard(outs, layout, world_size):
 N_RING, SEQ = 4, 512
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, HEADS, SEQ, HEAD_DIM) for _ in range(3))
-ring = {}
+
+
+def ring_both(rank, world_size, q, k, v):
+    return [ring_attention(rank, world_size, q, k, v, causal, contiguous)
+            for causal in (False, True)]
+
+
+results = launch(ring_both, N_RING, args=(q, k, v), timeout=60, echo=False)
+ring = {causal: [r.value[causal] for r in results] for causal in (False, True)}
 for causal in (False, True):
-    results = launch(ring_attention, N_RING, args=(q, k, v, causal, contiguous),
-                     timeout=60, echo=False)
-    ring[causal] = [r.value for r in results]
     got = unshard([r[0] for r in ring[causal]], contiguous, N_RING)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     print(f"causal={causal!s:5}: largest difference from one process "
@@ -475,8 +482,9 @@ for n in (2, 3):
 
 # %%
 for skew in (0.0, 3.0):
-    _, received = compare_with_one_process(3, tokens, skew)
-    load = [sum(r) for r in received]
+    if skew:
+        _, received = compare_with_one_process(3, tokens, skew)
+    load = [sum(r) for r in received]  # skew 0: the 3-rank run above
     print(f"skew {skew}: rows received per rank {load} (of {TOP_K * len(tokens)}); "
           f"busiest / average {imbalance(load):.2f}")
 
@@ -496,7 +504,7 @@ for skew in (0.0, 3.0):
 #
 # Measured on the skewed router, in one process: what each capacity factor
 # drops, then the load after the router has trained on the balancing loss
-# alone for 60 Adam steps:
+# alone for 50 steps of gradient descent:
 
 # %%
 def expert_load(x, router, skew):
@@ -520,11 +528,11 @@ batch = torch.randn(600, WIDTH)
 router, _ = make_moe()
 for stage in ("before", "after"):
     if stage == "after":
-        opt = torch.optim.Adam(router.parameters(), lr=0.05)
-        for _ in range(60):
-            opt.zero_grad()
+        for _ in range(50):  # plain gradient descent on the router alone
+            router.zero_grad()
             balancing_loss(batch, router, 3.0).backward()
-            opt.step()
+            with torch.no_grad():
+                router.weight -= 10.0 * router.weight.grad
     with torch.no_grad():
         load = expert_load(batch, router, 3.0)
         aux = balancing_loss(batch, router, 3.0).item()
@@ -536,8 +544,9 @@ for stage in ("before", "after"):
 # %% [markdown]
 # The capacity factor trades dropped tokens for bounded buffers; the loss
 # removes the cause, and then even a factor of 1.0 drops little. Real models use
-# both (DeepSeek-V3 replaces the loss by a per-expert bias that is adjusted
-# during training). Exercise 11.2 builds the dispatch with a capacity.
+# both; DeepSeek-V3 balances its experts without an auxiliary loss (its report
+# adjusts a per-expert bias of the routing scores during training instead).
+# Exercise 11.2 builds the dispatch with a capacity.
 #
 # ## 5. The library path, and GPU figures
 #
@@ -588,20 +597,21 @@ for key in ("cp_inference.llama3_405b_1m_prefill_seconds",
 
 # %% [markdown]
 # Ring attention hides its transfers when computing with one K/V block takes
-# longer than passing the next one on. Predicted for H100 SXM GPUs joined by
-# NVLink, with a Llama-3-70B-like layer (64 query heads of 128, 8 K/V heads),
-# bf16, one ring step at several sequence lengths on 8 GPUs: the block's
-# attention (roofline) against the transfer of its K and V:
+# longer than passing the next one on. Predicted with the course's calibrated
+# models (achieved FLOP/s and launch cost for the kernel; NCCL's reached
+# NVLink rate and a measured collective latency for the transfer), for H100
+# SXM GPUs, a Llama-3-70B-like layer (64 query heads of 128, 8 K/V heads), bf16,
+# one ring step on 8 GPUs:
 
 # %%
 N_GPU, Q_HEADS, KV_HEADS, DIM = 8, 64, 8, 128
 for seq in (8192, 32768, 131072):
     c = seq // N_GPU
-    compute = predict.roofline_seconds(4 * c * c * Q_HEADS * DIM,
-                                       2 * (2 * c * Q_HEADS * DIM + 2 * c * KV_HEADS * DIM),
-                                       "h100_sxm", "bf16")
-    transfer = predict.copy_seconds(2 * c * KV_HEADS * DIM * 2, "nvlink_h100",
-                                    "H100 SXM, NVLink")
+    compute = predict.kernel_seconds(4 * c * c * Q_HEADS * DIM,
+                                     2 * (2 * c * Q_HEADS * DIM + 2 * c * KV_HEADS * DIM),
+                                     "h100_sxm", "bf16")
+    transfer = predict.exchange_seconds(2 * c * KV_HEADS * DIM * 2, 1, "nvlink_h100",
+                                        "H100 SXM, NVLink")
     print(f"S = {seq:6d}: block attention {compute.value * 1e6:7.1f} us, K/V transfer "
           f"{transfer.value * 1e6:5.1f} us -> "
           + ("hidden" if compute.value > transfer.value else "exposed"))
@@ -609,19 +619,22 @@ print(f"[{compute.label}]\n[{transfer.label}]")
 
 # %% [markdown]
 # The compute per step grows as `(S/N)^2` and the transfer as `S/N`, so the
-# longer the sequence, the better the ring hides its communication; grouped
-# K/V heads (8 instead of 64) shrink the messages further. The all-to-all of
-# an MoE layer does not shrink that way: every token travels twice per layer,
-# which is why DeepSeek-V3 limits how many nodes a token may be sent to.
-# Predicted for one MoE layer's dispatch on 8 H100s (each rank sends
-# `(N-1)/N` of its `T k` rows of width `d` in bf16):
+# longer the sequence, the better the ring hides its communication; at short
+# lengths the transfer's fixed latency is what shows. Grouped K/V heads (8
+# instead of 64) shrink the messages. The all-to-all of an MoE layer does not
+# shrink that way: every token travels twice per layer, which is why
+# DeepSeek-V3's authors worked to overlap it with computation almost entirely
+# (their README says so of cross-node MoE training). Predicted for one
+# MoE layer's dispatch on 8 H100s, each GPU sending `(N-1)/N` of its `T k` rows
+# of width 7168 in bf16, top-8 routing:
 
 # %%
 for tokens_per_gpu in (4096, 16384):
-    rows = tokens_per_gpu * 8 * (N_GPU - 1) / N_GPU  # top-8 routing, as DeepSeek-V3
-    f = predict.copy_seconds(rows * 7168 * 2, "nvlink_h100", "H100 SXM, NVLink")
-    print(f"{tokens_per_gpu} tokens per GPU, d = 7168: dispatch {f.value * 1e3:.2f} ms "
-          "per layer, and as much again to combine")
+    rows = tokens_per_gpu * 8 * (N_GPU - 1) / N_GPU
+    f = predict.exchange_seconds(rows * 7168 * 2, N_GPU - 1, "nvlink_h100",
+                                 "8 x H100 SXM, NVLink")
+    print(f"{tokens_per_gpu} tokens per GPU: dispatch {f.value * 1e3:.2f} ms per "
+          "layer, and as much again to combine")
 print(f"[{f.label}]")
 
 # %% [markdown]
