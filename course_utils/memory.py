@@ -200,8 +200,8 @@ def _fake_rank(rank: int, nprocs: int, world_sizes: Sequence[int], layers: int,
 
 
 def fsdp2_peak_on_fake_ranks(world_sizes: Sequence[int], layers: int = 32,
-                             seq: int = 2048, batch: int = 1,
-                             timeout: float = 300.0) -> dict[int, dict]:
+                             seq: int = 2048, batch: int = 1, timeout: float = 300.0,
+                             in_process: bool = False) -> dict[int, dict]:
     """Predicted peak bytes per rank of one FSDP2 training step. Chapter 9.
 
     For each world size ``n``, a fake process group of ``n`` ranks (its
@@ -210,11 +210,23 @@ def fsdp2_peak_on_fake_ranks(world_sizes: Sequence[int], layers: int = 32,
     ``fully_shard`` on every block and on the root, Adam, one forward,
     backward and optimizer step on ``batch`` sequences of ``seq`` tokens,
     measured by ``FSDPMemTracker``. Returns ``{n: {"parameters": count,
-    "peak": {category: bytes}}}``. It runs in a child process, because a
-    process group is process-wide state. What it leaves out: the caching
+    "peak": {category: bytes}}}``. What it leaves out: the caching
     allocator's slack and fragmentation, CUDA/NCCL workspaces, and
     communication buffers that a real GPU run keeps while overlapping.
+
+    A process group is process-wide state, so by default this runs in a child
+    process (``timeout`` seconds at most); ``in_process=True`` runs here,
+    which is faster (no new interpreter) and needs no process group to be
+    initialised here already.
     """
+    if in_process:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError("a process group is initialised in this process: "
+                               "use in_process=False")
+        with warnings.catch_warnings():
+            return _fake_rank(0, 1, list(world_sizes), layers, seq, batch)
     from course_utils.dist import launch
 
     ranks = launch(_fake_rank, 1, args=(list(world_sizes), layers, seq, batch),
@@ -269,6 +281,16 @@ LLAMA2_7B_FSDP2: dict[int, dict[str, int]] = {
 }
 LLAMA2_7B_PARAMETERS = 6738415616
 
+# The same with 2 layers instead of 32, on 8 ranks: a point small enough to
+# recompute live (under a second) and compare, byte for byte.
+LLAMA2_2_LAYERS_FSDP2: dict[int, dict[str, int]] = {
+    8: {
+        "activations": 1565032456, "all-gather buffers": 809533440,
+        "gathered parameters": 1858125824, "inputs": 16384,
+        "parameters": 333457408, "temporaries": 1008746496, "total": 5574912008,
+    },
+}
+
 
 def main() -> None:
     """Recompute ``LLAMA2_7B_FSDP2`` and print it as Python."""
@@ -276,6 +298,7 @@ def main() -> None:
 
     pprint.pprint(fsdp2_peak_on_fake_ranks([1, 2, 4, 8, 16, 32, 64], timeout=900),
                   width=88)
+    pprint.pprint(fsdp2_peak_on_fake_ranks([8], layers=2), width=88)
 
 
 if __name__ == "__main__":

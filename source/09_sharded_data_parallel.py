@@ -442,18 +442,21 @@ print(f"the same numbers on both ranks: {same}; DDP > ZeRO-1 > ZeRO-2 > ZeRO-3: 
       f"{all(a > b for a, b in zip(totals, totals[1:], strict=False))}")
 
 # %% [markdown]
-# Read the table by column. **Parameters**: whole on every rank until ZeRO-3;
-# the ZeRO rows also count the fp32 shards (half of the parameters on 2
-# ranks), the master copy that mixed precision keeps anyway. **Gradients**:
-# whole in DDP and ZeRO-1, only the shard buffers in ZeRO-2 and ZeRO-3 (a
-# full gradient lives a moment, in temporaries). **Optimizer state**: Adam's
-# two moments, halved by every ZeRO stage. ZeRO-3's peak adds the layer being
-# gathered (in activations and temporaries).
+# Read the table by column (8 MiB is one copy of the model in fp32).
+# **Parameters**: whole on every rank until ZeRO-3, where a rank holds its
+# half plus the layer being gathered. **Gradients**: whole in DDP; ZeRO-1
+# adds the shard buffers to the whole gradients; ZeRO-2 and ZeRO-3 keep only
+# the buffers and one full gradient in flight. **Optimizer state**: Adam's
+# two moments (DDP's figure also holds the update's scratch tensors), halved
+# by every ZeRO stage. Activations and temporaries are the padded copies
+# that a reduce-scatter sends, filed by when they were made: after backward
+# (ZeRO-1) or during it.
 #
-# **torch DDP** holds more than DDP by hand: it copies the gradients into
-# **buckets** - flat buffers of about 25 MiB it all-reduces while backward
-# still runs, so communication overlaps computation - and those buckets are a
-# second copy of the gradients, counted here as gradients.
+# **torch DDP** holds a model's worth more than DDP by hand: it copies the
+# gradients into **buckets** - flat buffers of about 25 MiB that it
+# all-reduces while backward still runs, so communication overlaps
+# computation - and those buckets are a second copy of the gradients
+# (counted under activations: DDP builds them during a forward).
 #
 # ## 4. FSDP2: `fully_shard`
 #
@@ -812,19 +815,22 @@ print(f"placements {hsdp[0][0]}, local piece {hsdp[0][1]} of (64, 64); largest "
 # data) let the real `fully_shard` code run a real training step of a
 # Llama-2-7B-shaped model, and `FSDPMemTracker` counts what one rank would
 # hold. `course_utils.memory` has the model and the plumbing; its table
-# `LLAMA2_7B_FSDP2` holds the prediction for 1 to 64 ranks (about 10 s per
-# world size). One point is recomputed here, live:
+# `LLAMA2_7B_FSDP2` holds the prediction for 1 to 64 ranks, computed by
+# `python -m course_utils.memory` (about 10 s per world size, too slow for
+# this notebook). The same code on a 2-layer version runs here, live, in
+# about a second, and must give what the module recorded, byte for byte:
 
 # %%
-live = memory.fsdp2_peak_on_fake_ranks([8])[8]
-table = memory.LLAMA2_7B_FSDP2
-print(f"{live['parameters'] / 1e9:.2f} B parameters; 8 ranks, recomputed now: "
-      f"{live['peak']['total'] / 2**30:.2f} GiB per rank; in the table: "
-      f"{table[8]['total'] / 2**30:.2f} GiB - "
-      f"{'the same' if live['peak'] == table[8] else 'different: torch changed?'}")
+live = memory.fsdp2_peak_on_fake_ranks([8], layers=2, in_process=True)[8]
+recorded = memory.LLAMA2_2_LAYERS_FSDP2[8]
+print(f"2 layers, {live['parameters'] / 1e9:.2f} B parameters, 8 ranks: "
+      f"{live['peak']['total'] / 2**30:.2f} GiB per rank now, "
+      f"{recorded['total'] / 2**30:.2f} GiB recorded - "
+      f"{'the same' if live['peak'] == recorded else 'different: has torch changed?'}")
 
 # %%
 h100 = reference.published("h100_sxm.memory_gb")
+table = memory.LLAMA2_7B_FSDP2
 ns = sorted(table)
 pred = reference.predicted(
     {"x": ns, "y": [table[n]["total"] / 1e9 for n in ns]}, "GB", "GPUs of any kind",
@@ -838,9 +844,12 @@ plots.plot_figure_curves([pred], ax=ax, xlabel="ranks (GPUs)", ylabel="GB per GP
 ax.axhline(h100.value, color="gray", linestyle=":", label=f"{h100.device} capacity")
 ax.legend(fontsize=7)
 plt.show()
+print(f"{memory.LLAMA2_7B_PARAMETERS / 1e9:.2f} B parameters; peak per GPU, of which")
 for n in ns:
-    print(f"{n:3d} GPUs: {table[n]['total'] / 1e9:6.1f} GB, of which activations "
-          f"{table[n].get('activations', 0) / 1e9:5.1f} GB")
+    print(f"{n:3d} GPUs: {table[n]['total'] / 1e9:6.1f} GB | sharded parameters "
+          f"{table[n]['parameters'] / 1e9:5.2f} | activations "
+          f"{table[n].get('activations', 0) / 1e9:5.1f} | optimizer state "
+          f"{table[n].get('optimizer state', 0) / 1e9:5.1f}")
 print(f"[{pred.label}]")
 print(f"[capacity: {h100.label}]")
 
