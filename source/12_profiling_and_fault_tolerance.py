@@ -35,8 +35,9 @@
 # GPU-only tools (CUDA kernels in traces, the CUDA allocator's memory
 # snapshots) are shown as code that runs when a GPU is present, and GPU
 # figures as published results with their sources. `torch.compile` is never
-# run in this notebook (its first compile takes minutes on a small CPU): its
-# effect is shown as a figure measured once, with the code to run it by hand.
+# run in this notebook (its first compile of even a tiny training step took
+# 16-21 s on this machine): its effect is shown as a figure measured once,
+# with the code to run it by hand.
 
 # %%
 import json
@@ -80,7 +81,7 @@ WORK = workdir.name
 #   optimizer) on the timeline, so the library's events have a frame.
 # - **A schedule** records a few steps, not the whole run:
 #   `schedule(wait=1, warmup=1, active=2)` skips one step, runs the profiler
-#   through one more without keeping it (the first profiled step is always
+#   through one more without keeping it (the first profiled step is usually
 #   slower), then keeps two. A trace of every step of a long job is too big
 #   to open.
 # - **`on_trace_ready`** is called when the active steps end, with the
@@ -126,8 +127,9 @@ for r, path in files.items():
 # %% [markdown]
 # **Per rank, in numbers.** `key_averages()` sums every event by name. In
 # rank 0's table, `gloo:all_reduce` is the communication itself (it runs on
-# gloo's own threads) and `c10d::allreduce_` only hands a bucket to them; its
-# short time is why an all-reduce can hide behind the backward.
+# gloo's own threads, so its self time on the main thread is 0) and
+# `c10d::allreduce_` is the call on the main thread that hands a bucket to
+# them. Only the first can hide behind the backward.
 
 # %%
 print(results[0].value)
@@ -138,8 +140,9 @@ print(results[0].value)
 # `course_utils.traces.merge_traces` does it (each rank becomes a process
 # named `rank r`); `save_trace` writes a file that Perfetto
 # (https://ui.perfetto.dev) or `chrome://tracing` opens. On several machines
-# the clocks differ by more than a collective lasts: align the traces on one
-# collective that all ranks leave at the same moment before reading them.
+# the clocks can differ by more than a collective lasts: align the traces on one
+# collective that all ranks leave at about the same moment before reading
+# them.
 # Below, the last profiled step of each rank: the main thread's spans, and
 # the all-reduces on gloo's threads.
 
@@ -168,9 +171,9 @@ plt.show()
 print("\n".join(verdicts))
 
 # %% [markdown]
-# Read it as a learner of DDP would: the all-reduces start while the
-# backward is still running (buckets are sent as soon as their gradients are
-# ready, Chapter 6), and the optimizer waits for the last one. On two CPU
+# Read it as Chapter 6 taught: the all-reduces start while the backward is
+# still running (a bucket is sent as soon as its gradients are ready; the
+# lines under the plot count them), and the optimizer waits for the last one. On two CPU
 # cores the ranks' threads also compete for the cores, so spans stretch; on
 # GPUs, NCCL's kernels run on a stream of their own and the overlap is
 # cleaner. With a GPU, the trace also holds the kernels
@@ -244,11 +247,14 @@ print(f"optimizer state at the end {mib[-1, 1]:.2f} MiB = "
 # **On a GPU** the allocator itself keeps a history: every allocation and free
 # with its Python stack. Record it, take a snapshot, and drop the pickle on
 # https://pytorch.org/memory_viz, which draws the same picture per
-# allocation, including the allocator's fragmentation. The PyTorch blog post
-# *Understanding GPU Memory 1: Visualizing All Allocations over Time* (Aaron
-# Shi, Zachary DeVito, 2023) walks through such snapshots. On a CPU-only
-# build these functions are not usable (`_record_memory_history` raises
-# `AttributeError` about `_cuda_record_memory_history`):
+# allocation, including the allocator's fragmentation. A published example
+# (*Understanding GPU Memory 1: Visualizing All Allocations over Time*, Aaron
+# Shi and Zachary DeVito, PyTorch blog, 2023): a snapshot of three training
+# iterations shows three peaks, memory rising in each forward pass and
+# falling in the backward as gradients are computed, with many tiny spikes
+# that are temporary buffers of convolutions. On a CPU-only build these
+# functions are not usable (`_record_memory_history` raises `AttributeError`
+# about `_cuda_record_memory_history`):
 
 # %%
 if torch.cuda.is_available():
@@ -278,7 +284,8 @@ else:
 # same operation at the same number; the first number where they differ is
 # the bug. Enable it with `TORCH_FR_BUFFER_SIZE` (entries kept) **before** the
 # process group is created. On NCCL it dumps itself on a timeout
-# (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, files named by `TORCH_FR_DUMP_TEMP_FILE`);
+# (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, files named by `TORCH_FR_DUMP_TEMP_FILE`,
+# formerly `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`);
 # here each rank asks for its buffer with
 # `torch._C._distributed_c10d._dump_fr_trace()` (a pickle). Rank 1 below skips
 # one `broadcast`:
@@ -415,7 +422,8 @@ except (LaunchTimeout, RankFailed) as e:
 # To run torchrun's own agent without paying for fresh interpreters, this
 # notebook calls it as a function: `elastic_launch(LaunchConfig(...), fn)` is
 # what `torchrun` runs, here with forked workers (a command-line torchrun
-# would start four Python interpreters and take 5-20 s more on this machine).
+# starts a fresh Python interpreter for its agent and for each worker, and
+# each of them imports torch again).
 # `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` makes the restarted workers connect
 # to a fresh store; without it restarts failed to reconnect on torch 2.13
 # (pytorch/pytorch#135712). The agent itself runs in one process of the
@@ -588,8 +596,8 @@ plt.show()
 # hours would lose a large share of the run however fast it saves, and
 # making saves cheaper (asynchronous saving, `dcp.async_save`, Chapter 9)
 # lets you save more often, which cuts the lost work. The restart cost $R$
-# adds the same amount at every interval: Meta's report stresses shortening
-# job start-up and checkpoint times for that reason.
+# adds the same amount at every interval, which is why the Llama 3 report
+# describes reducing job start-up and checkpointing times.
 
 # %% [markdown]
 # ## 5. Compilation: `torch.compile`
@@ -607,12 +615,13 @@ plt.show()
 # `dynamic=True` or fixed shapes). With DDP, Dynamo splits the graph at bucket
 # boundaries so that all-reduces still overlap the backward.
 #
-# This notebook never compiles (a cold compile took minutes on this
-# 2-core machine). The cell below shows the code to run by hand - set
-# `RUN_COMPILE = True` - and, until then, a figure measured once.
+# This notebook never compiles (it would cost 16-21 s of this notebook's
+# time for one tiny step, more for a real model). The cell below shows the
+# code to run by hand - set `RUN_COMPILE = True` - and, until then, a figure
+# measured once.
 
 # %%
-RUN_COMPILE = False  # True: compile here (minutes the first time on a small CPU)
+RUN_COMPILE = False  # True: compile here (20 s or more the first time on a CPU)
 
 
 def compile_demo():
@@ -656,9 +665,10 @@ print(f"GPU: {gain.extra['quantity']}: {gain.value['low']}x to {gain.value['high
 # much depends on the machine's load: the eager baseline moved 2.7x between
 # the runs), and the first step cost as much as thousands of later ones:
 # compiling pays only in long runs. The losses agreed to 1.5e-8. That first
-# step also matters for fault tolerance: every restart of Section 4 compiles
-# again unless the compile cache (`TORCHINDUCTOR_CACHE_DIR`, on a shared
-# disk) survives the restart.
+# step also matters for fault tolerance: every restarted worker of Section 4
+# compiles again. The on-disk compile cache (`TORCHINDUCTOR_CACHE_DIR`,
+# under /tmp by default) helped only in part here: 15.8 s warm against
+# 20.6 s cold above.
 
 # %% [markdown]
 # ## Summary
