@@ -386,7 +386,7 @@ def make_moe(seed=0):
 def route(x, router, skew=0.0):
     """Top-k experts per token and their weights (renormalised to sum to 1)."""
     logits = router(x)
-    logits = logits + skew * torch.arange(N_EXPERTS, 0, -1) / N_EXPERTS
+    logits = logits + skew * torch.arange(N_EXPERTS, 0, -1, device=x.device) / N_EXPERTS
     gate, expert = logits.softmax(-1).topk(TOP_K, dim=-1)
     return gate / gate.sum(-1, keepdim=True), expert
 
@@ -416,9 +416,9 @@ def moe_one_process(x, router, experts, skew=0.0):
 def moe_expert_parallel(rank, world_size, x_all, skew):
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    group, per_rank = dist.group.WORLD, N_EXPERTS // world_size
-    router, experts = make_moe()
-    x = x_all.chunk(world_size)[rank].clone().requires_grad_()
+    dev, group, per_rank = rank_device(rank), dist.group.WORLD, N_EXPERTS // world_size
+    router, experts = (m.to(dev) for m in make_moe())
+    x = x_all.chunk(world_size)[rank].to(dev).clone().requires_grad_()
     gate, expert = route(x, router, skew)
     flat = expert.flatten()
     order = flat.argsort(stable=True)  # assignments grouped by expert, so by rank
@@ -428,7 +428,7 @@ def moe_expert_parallel(rank, world_size, x_all, skew):
     send, recv = send_counts.tolist(), recv_counts.tolist()
     token = order // TOP_K
     x_recv = all_to_all_single_autograd(x[token], recv, send, group)
-    e_recv = torch.empty(sum(recv), dtype=torch.long)
+    e_recv = torch.empty(sum(recv), dtype=torch.long, device=dev)
     dist.all_to_all_single(e_recv, flat[order].contiguous(), recv, send)
     y_recv = torch.zeros_like(x_recv)
     for e in range(rank * per_rank, (rank + 1) * per_rank):

@@ -512,3 +512,13 @@ def test_wrong_scores_fail():
     fails(check, not_causal, "rank r holds chunk r")
     fails(check, zigzag_two_n, "2 chunks")
     fails(check, zigzag_wide_chunks, "2 chunks of S / (2N)")
+
+
+def test_endless_loop_stopped_and_named(monkeypatch):
+    monkeypatch.setattr(ch11, "LIMIT_S", 1)
+
+    def endless(expert_idx, n_experts, world_size, capacity):
+        while True:
+            pass
+
+    fails(ch11.check_plan_dispatch, endless, "did not return")

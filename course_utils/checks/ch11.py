@@ -14,6 +14,9 @@ compares the scores each rank computed with the learner's prediction.
 from __future__ import annotations
 
 import math
+import signal
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,47 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from course_utils.exercises import call_learner, fail, passed, require_solution
+
+LIMIT_S = 30  # seconds one call of the learner's function may take
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Raise TimeoutError in this thread after ``seconds`` (main thread, POSIX)."""
+    usable = (hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _call(ex, fn, *args):
+    """The learner's function, within LIMIT_S seconds, failures made friendly.
+
+    It runs with one intra-op thread: the checks use small tensors, for which
+    a second thread only waits (16x slower on a busy 2-core machine).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _time_limit(LIMIT_S):
+            return call_learner(ex, fn, *args, hints={
+                "took longer than": "your function did not return: look for a "
+                                    "loop whose condition never changes"})
+    finally:
+        torch.set_num_threads(threads)
+
 
 # ---------------------------------------------------------------- exercise 11.1
 
@@ -128,7 +172,7 @@ def check_blockwise_attention(blockwise_attention) -> None:
                 f"{str(dtype).replace('torch.', '')}")
         watch = _Watch(s, (k, v))
         with watch:
-            got = call_learner(ex, blockwise_attention, q, k, v, block, causal)
+            got = _call(ex, blockwise_attention, q, k, v, block, causal)
         if not isinstance(got, torch.Tensor):
             fail(ex, "the attention output, one tensor", f"a {type(got).__name__}",
                  "return only the output, shaped like q")
@@ -228,8 +272,7 @@ def check_plan_dispatch(plan_dispatch) -> None:
         idx = skewed_choices(tokens, k, experts, seed)
         case = (f"{tokens} tokens, top-{k}, {experts} experts on {world_size} ranks, "
                 f"capacity {capacity}")
-        got = call_learner(ex, plan_dispatch, idx.clone(), experts, world_size,
-                           capacity)
+        got = _call(ex, plan_dispatch, idx.clone(), experts, world_size, capacity)
         order, counts = _as_plan(ex, got, tokens * k, world_size, case)
         want = kept_assignments(idx, experts, capacity)
         mine = sorted(order.tolist())
@@ -311,8 +354,8 @@ def _real_exchange(ex, plan_dispatch) -> None:
     layers = _experts(experts)
     want, plans = torch.zeros_like(x), []
     for rank, rows in enumerate(torch.arange(tokens).chunk(world_size)):
-        got = call_learner(ex, plan_dispatch, idx[rows].clone(), experts, world_size,
-                           capacity)
+        got = _call(ex, plan_dispatch, idx[rows].clone(), experts, world_size,
+                    capacity)
         plans.append(_as_plan(ex, got, len(rows) * k, world_size,
                               f"rank {rank} of {world_size}"))
         for a in kept_assignments(idx[rows], experts, capacity):  # one process
@@ -398,7 +441,7 @@ def check_predict_scores(predict_scores) -> None:
         measured = measured_scores(world_size, seq_len)
         for layout, want in measured.items():
             case = f"S = {seq_len}, {world_size} ranks, {layout}"
-            got = call_learner(ex, predict_scores, seq_len, world_size, layout)
+            got = _call(ex, predict_scores, seq_len, world_size, layout)
             try:
                 got = [float(g) for g in got]
             except (TypeError, ValueError):
