@@ -309,24 +309,28 @@ def test_the_printed_link_opens_the_start_page(browser):
             os.killpg(server.pid, signal.SIGKILL)
 
 
-INTERRUPTED = {
-    "cells": [{"cell_type": "code", "execution_count": None, "id": "launch",
-               "metadata": {}, "outputs": [], "source": [
-                   "import time\n",
-                   "from course_utils.dist import launch\n",
-                   "launch(lambda rank, ws: time.sleep(60), 2, timeout=120)"]}],
-    "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
-                                "name": "python3"}},
-    "nbformat": 4, "nbformat_minor": 5}
+PROBE = ("import time\n"
+         "from course_utils.dist import launch\n"
+         "launch(lambda rank, ws: time.sleep(60), 2, timeout=120)")
 
 
 def test_an_interrupted_launch_reads_as_one_line(browser, lab):
-    (lab["root"] / "interrupt_probe.ipynb").write_text(json.dumps(INTERRUPTED))
+    # a notebook like the chapters', with one multi-process cell
+    nb = json.loads((NOTEBOOKS / CHAPTERS[0]).read_text())
+    nb["cells"] = [{"cell_type": "code", "execution_count": None, "id": "launch",
+                    "metadata": {}, "outputs": [], "source": PROBE}]
+    (lab["root"] / "interrupt_probe.ipynb").write_text(json.dumps(nb))
     page = _open(browser, lab, "interrupt_probe.ipynb")
     try:
+        time.sleep(1)
         _menu(page, "Run", "Run All Cells")
-        page.wait_for_selector(".jp-OutputArea-output :text('launching 2 processes')",
-                               timeout=60_000)
+        try:
+            page.wait_for_selector(
+                ".jp-OutputArea-output :text('launching 2 processes')",
+                timeout=60_000)
+        finally:
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SHOTS / "interrupt_probe.png"))
         time.sleep(1)
         _menu(page, "Kernel", "Interrupt Kernel")
         _wait_idle(page, 60)
