@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "Comparison",
+    "Meter",
     "Option",
     "Run",
     "Stalled",
@@ -436,6 +437,67 @@ def compare(
         ratios=ratios,
         quiet_cores=quiet_cores,
     )
+
+
+class Meter:
+    """Measure a block that ``compare`` cannot drive: ``with Meter() as m: ...``.
+
+    Chapter 4. Afterwards ``m.wall_s``, ``m.cpu_s`` (this process, its threads
+    and its child processes, plus what ``m.report(cpu_s)`` added for other
+    processes), ``m.busy_cores``, ``m.others_cores`` (what other programs used
+    meanwhile; None where unknown) and ``m.disturbed``: a verdict drawn from
+    the block's timings says "disturbed" instead when that is true.
+    """
+
+    def __init__(self, quiet_cores: float = 0.5) -> None:
+        self.quiet_cores = quiet_cores
+        self.reported = 0.0
+        self.wall_s = self.cpu_s = 0.0
+        self.others_cores: float | None = None
+
+    def report(self, cpu_s: float) -> None:
+        """Add CPU seconds that processes this one does not see used for it."""
+        self.reported += cpu_s
+
+    def __enter__(self) -> Meter:
+        self._load0 = _machine_busy_s()
+        self._own0, self._kids0 = time.process_time(), _children_cpu_s()
+        self._tree0 = _tree_cpu_s([], descendants=True)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        own = (
+            time.process_time() - self._own0
+            + _children_cpu_s() - self._kids0
+            + _tree_cpu_s([], descendants=True) - self._tree0
+        )
+        self.cpu_s = max(0.0, own) + self.reported
+        load1 = _machine_busy_s()
+        if self._load0 is not None and load1 is not None and self.wall_s >= 0.1:
+            used = load1 - self._load0 - self.cpu_s
+            self.others_cores = max(0.0, used / self.wall_s)
+
+    @property
+    def busy_cores(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def disturbed(self) -> bool:
+        return self.others_cores is not None and self.others_cores > self.quiet_cores
+
+    def __str__(self) -> str:
+        others = (
+            "unknown"
+            if self.others_cores is None
+            else f"{self.others_cores:.2f} cores"
+        )
+        return (
+            f"{_fmt(self.wall_s)} wall, {self.cpu_s:.3f} CPU s, busy cores "
+            f"{self.busy_cores:.2f}; other programs used {others} meanwhile"
+            + (f" - {DISTURBED}" if self.disturbed else "")
+        )
 
 
 class Stalled(TimeoutError):

@@ -199,3 +199,18 @@ def test_child_processes_kept_alive_count_as_ours(quiet_machine):
     finally:
         worker.stdin.close()
         worker.wait(timeout=30)
+
+
+def test_a_meter_measures_a_block_and_names_disturbance(monkeypatch):
+    with cmp.Meter() as quiet:
+        end = time.process_time() + 0.15
+        while time.process_time() < end:
+            pass
+    assert quiet.cpu_s >= 0.15
+    assert 0.0 < quiet.busy_cores <= cmp.usable_cores() + 0.25
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: 2.0 * time.perf_counter())
+    with cmp.Meter() as busy:
+        time.sleep(0.12)
+        busy.report(0.01)
+    assert busy.disturbed and busy.others_cores > 1.0
+    assert "run again" in str(busy)
