@@ -72,7 +72,7 @@ def rank_device(rank):
 # keeps that matrix for the backward pass. We count what it keeps with a
 # saved-tensors hook (each storage once), for the plain formula and for
 # `F.scaled_dot_product_attention`, whose CPU kernel is a flash-attention
-# kernel that keeps only the output and one log-sum-exp per row:
+# kernel that keeps only its inputs, its output and one log-sum-exp per row:
 
 # %%
 def saved_bytes(fn, *args):
@@ -112,7 +112,8 @@ print(f"verdict: doubling S multiplied the plain formula's bytes by {grow[0]:.1f
 # %% [markdown]
 # A flash kernel removes the `S x S` term, but what is left still grows with
 # `S` - activations, inputs, outputs, in every layer - and the compute grows as
-# `S^2`. At 128K tokens one GPU runs out of both. **Context parallelism**
+# `S^2`. At the 128K-token contexts of today's large models (DeepSeek-V3's,
+# for one, per its README) one GPU runs short of both. **Context parallelism**
 # splits the sequence: rank `r` of `N` keeps its `S / N` rows of Q, K and V.
 # Its queries still need *every* key and value, so the ranks must exchange K
 # and V (the queries and outputs stay put). Two ways: pass K/V blocks around a
@@ -262,8 +263,8 @@ print(f"the busiest rank does {imbalance(work):.2f}x the average: every step wai
       f"for it, so the ring runs at {1 / imbalance(work):.0%} of its capacity")
 
 # %% [markdown]
-# Rank `r` computes `r + 1` blocks while rank 0 computes one and then idles.
-# The fix (zig-zag, or head-tail, sharding) cuts the sequence into `2N` chunks
+# Rank 0 computes at the first step and then idles; the last rank computes at
+# every step. The fix (zig-zag, or head-tail, sharding) cuts the sequence into `2N` chunks
 # and gives rank `r` chunk `r` *and* chunk `2N - 1 - r`: one early and one
 # late chunk each, so every rank gets the same mix. The ring code is
 # unchanged; only the layout differs:
@@ -470,7 +471,7 @@ for n in (2, 3):
 
 # %% [markdown]
 # Equal to one process, forward and backward, with splits that differ from
-# rank to rank and from step to step.
+# rank to rank (the lists above: no two ranks receive the same number of rows).
 #
 # ### Load balance: the problem
 #
@@ -543,7 +544,8 @@ for stage in ("before", "after"):
 
 # %% [markdown]
 # The capacity factor trades dropped tokens for bounded buffers; the loss
-# removes the cause, and then even a factor of 1.0 drops little. Real models use
+# attacks the cause, so the same factors drop far fewer (the two lines
+# above). Real models use
 # both; DeepSeek-V3 balances its experts without an auxiliary loss (its report
 # adjusts a per-expert bias of the routing scores during training instead).
 # Exercise 11.2 builds the dispatch with a capacity.
@@ -584,16 +586,23 @@ else:
           "here); on CPU tensors it never returns")
 
 # %% [markdown]
-# Published figures from long-context and mixture-of-experts systems:
+# Published figures from long-context and mixture-of-experts systems. Llama 3
+# trained its 405B model first on 8K-token sequences, then on 128K-token ones
+# with context parallelism over 16 GPUs (all-gather based, zig-zag chunks):
 
 # %%
-for key in ("cp_inference.llama3_405b_1m_prefill_seconds",
+for key in ("llama3.cp1_8k_tflops_per_gpu", "llama3.cp16_128k_tflops_per_gpu",
+            "cp_inference.llama3_405b_1m_prefill_seconds",
             "cp_inference.llama3_405b_128k_prefill_seconds",
             "cp_inference.parallel_efficiency_1m",
             "deepseek_v3.total_parameters", "deepseek_v3.activated_parameters",
             "switch.pretraining_speedup"):
     f = reference.published(key)
     print(f"{f.extra['quantity']}: {f.value} {f.unit}  [{f.label}]")
+kept = (reference.published("llama3.cp16_128k_tflops_per_gpu").value
+        / reference.published("llama3.cp1_8k_tflops_per_gpu").value)
+print(f"-> with 16 times longer sequences split over 16 GPUs, Llama 3 kept {kept:.0%} "
+      "of its per-GPU throughput")
 
 # %% [markdown]
 # Ring attention hides its transfers when computing with one K/V block takes
