@@ -688,9 +688,10 @@ plt.show()
 # coalesced speed, 2.75x slower - not 8x, because the index and the output are
 # read and written coalesced whatever the pattern. A gather with 4-byte
 # indices, or a kernel that reads only the scattered array, would pay closer to
-# 8x. The CPU measured here (one thread) has 64-byte cache lines and a
-# prefetcher that follows strides but not random addresses, so its gap can be
-# larger or smaller than the GPU's; the cell above says which it was here.
+# 8x. Without a GPU the cell measured this CPU (one thread): it has 64-byte
+# cache lines and a prefetcher that follows strides but not random addresses,
+# so its gap can be larger or smaller than the GPU's. With a GPU it measured
+# the GPU itself. The verdict above says which way it went here.
 #
 # ## 7. Divergence: when threads of a warp disagree
 #

@@ -216,7 +216,7 @@ for where, d1, d2, width, rows in places:
     print(f"{where}: {rows} x {width} batch, 4 + 4 Linear({width})")
     print(compare({f"split_size {rows // k}": timed_loop(halves, batch, rows // k,
                                                          (d1, d2))
-                   for k in (1, 4, 12)}, repeats=5))
+                   for k in (1, 4, 12)}, repeats=3))
 
 # %% [markdown]
 # The tutorial published its GPU results (section 4 puts them beside the CPU
@@ -295,7 +295,7 @@ def gpipe(op, rank, done, p, m, v):
     return op[0] == "F" or forwards_done == m * v
 
 
-def one_f_one_b(op, rank, done, p, m, v):
+def one_f_one_b_policy(op, rank, done, p, m, v):
     return op[0] == "B" or in_flight(rank, done, p) < p - rank
 
 
@@ -308,7 +308,7 @@ def bubble(spans):
 print(" p   m   GPipe   1F1B  interleaved v=2   formula (p-1)/(m+p-1)")
 for p, m in ((2, 1), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)):
     print(f"{p:2d} {m:3d}  {bubble(simulate(p, m, gpipe)):6.3f} "
-          f"{bubble(simulate(p, m, one_f_one_b)):6.3f}  "
+          f"{bubble(simulate(p, m, one_f_one_b_policy)):6.3f}  "
           f"{bubble(simulate(p, m, gpipe, v=2)):6.3f} (p-1)/(vm+p-1) = "
           f"{(p - 1) / (2 * m + p - 1):.3f}    {(p - 1) / (m + p - 1):.3f}")
 
@@ -328,7 +328,8 @@ def draw_schedules(p=4, m=8, v=2):
     fig, axes = plt.subplots(3, 1, figsize=(9, 1.0 * p * 3 + 1.5), sharex=True)
     lanes = [f"rank {r}" for r in range(p)]
     for ax, (name, spans) in zip(axes, (
-            ("GPipe", simulate(p, m, gpipe)), ("1F1B", simulate(p, m, one_f_one_b)),
+            ("GPipe", simulate(p, m, gpipe)),
+            ("1F1B", simulate(p, m, one_f_one_b_policy)),
             (f"interleaved GPipe, v={v}", simulate(p, m, gpipe, v=v))), strict=True):
         plot_timeline(spans, ax=ax, unit="s", lanes=lanes,
                       title=f"{name}: bubble {bubble(spans):.0%}")
@@ -383,9 +384,10 @@ for p, m in ((8, 8), (8, 32), (8, 128)):
 #   span (which starts when its receive returns) can never begin before it;
 # - all ranks read the same clock (`time.perf_counter` is the machine's
 #   monotonic clock, shared by its processes);
-# - the steps run under the comparison protocol, interleaved, and the
-#   timeline shown is **one** step, the same on every rank (the median of
-#   the quiet runs), never each rank's fastest of different steps;
+# - the steps run under the comparison protocol, interleaved, 6 steps a run
+#   (a run must last long enough for the machine's CPU counters), and the
+#   timeline shown is **one** step, the same on every rank (the middle step
+#   of the median run), never each rank's fastest of different steps;
 # - each rank reports its CPU seconds: a stage whose operations lasted longer
 #   than the CPU it got was waiting for a core, not for data;
 # - a bubble below the formula's floor (or an operation that starts before
@@ -418,11 +420,11 @@ def rank_device(rank):
         torch.device("cpu")
 
 
-def run_pipeline(rank, world_size, plans, groups, repeats):
+def run_pipeline(rank, world_size, plans, groups, repeats, steps):
     """Run the plans (name -> (m, per-rank orders)) of each group through the
-    comparison protocol, in step on every rank. Returns rank 0's comparisons,
-    every call's (spans, CPU seconds, micro-batches held, bytes kept), and the
-    gradients."""
+    comparison protocol, `steps` steps a run, in step on every rank. Returns
+    rank 0's comparisons, every step's (spans, CPU seconds, micro-batches
+    held, bytes kept), and the gradients."""
     dev = rank_device(rank)
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda *a: None
     stage = make_stage(rank, world_size).to(dev)
@@ -487,6 +489,10 @@ def run_pipeline(rank, world_size, plans, groups, repeats):
         sync(dev)
         cpu = time.process_time() - cpu0
         calls[name].append((spans, cpu, most, peak))
+        return cpu
+
+    def run(name, calls):  # long enough for the machine's CPU counters
+        cpu = sum(step(name, calls) for _ in range(steps))
         others = torch.tensor([0.0 if rank == 0 else cpu], device=dev)
         dist.all_reduce(others)  # the other ranks' CPU seconds, for rank 0's count
         return {"cpu_s": others.item()}
@@ -494,8 +500,8 @@ def run_pipeline(rank, world_size, plans, groups, repeats):
     results, records = [], []
     for names in groups:  # the same calls in the same order on every rank
         calls = {name: [] for name in names}
-        results.append(compare({n: functools.partial(step, n, calls) for n in names},
-                               repeats=repeats, warmup=1))
+        results.append(compare({n: functools.partial(run, n, calls) for n in names},
+                               repeats=repeats, warmup=1, number=1))
         records.append(calls)
     return (results if rank == 0 else None), records, [p.grad.cpu()
                                                        for p in stage.parameters()]
@@ -511,12 +517,14 @@ def reference_gradients():
     return [p.grad for p in model.parameters()]
 
 
-def median_step(ranks, group, name):
-    """The same step on every rank: the median one of rank 0's quiet runs."""
+def median_step(ranks, group, name, steps):
+    """The same step on every rank: the middle step of the median one of rank
+    0's quiet runs."""
     option = ranks[0].value[0][group][name]
     runs = [i for i, kept in enumerate(option.kept) if kept] or range(len(option.runs))
     k = sorted(runs, key=lambda i: option.runs[i].wall_s)[len(runs) // 2]
-    calls = [r.value[1][group][name][k + 1] for r in ranks]  # after the warm-up
+    calls = [r.value[1][group][name][(k + 1) * steps + steps // 2]  # after warm-up
+             for r in ranks]
     return {"spans": [s for c in calls for s in c[0]], "cpu": [c[1] for c in calls],
             "held": [c[2] for c in calls], "kept": [c[3] for c in calls]}
 
@@ -555,19 +563,20 @@ def report(step, m, p):
 
 M_SWEEP, P = [1, 2, 4, 8], 2
 plans = {f"GPipe m={m}": (m, orders(simulate(P, m, gpipe), P)) for m in M_SWEEP}
-plans["1F1B m=8"] = (8, orders(simulate(P, 8, one_f_one_b), P))
+plans["1F1B m=8"] = (8, orders(simulate(P, 8, one_f_one_b_policy), P))
 groups = [[f"GPipe m={m}" for m in M_SWEEP], ["GPipe m=8", "1F1B m=8"]]
-ranks = launch(run_pipeline, P, args=(plans, groups, 5), timeout=120)
+STEPS = 6  # steps a run: runs long enough for the CPU counters to judge
+ranks = launch(run_pipeline, P, args=(plans, groups, 3, STEPS), timeout=120)
 ref_grads = reference_gradients()
 piped = [g for r in ranks for g in r.value[2]]
 worst = max((a - b).abs().max().item() for a, b in zip(piped, ref_grads, strict=True))
 print(f"pipelined gradients against one process: largest difference {worst:.1e}")
 sweep = ranks[0].value[0][0]
 print(sweep)
-steps = {m: median_step(ranks, 0, f"GPipe m={m}") for m in M_SWEEP}
+picked = {m: median_step(ranks, 0, f"GPipe m={m}", STEPS) for m in M_SWEEP}
 bubbles = {}
 for m in M_SWEEP:
-    bubbles[m], line = report(steps[m], m, P)
+    bubbles[m], line = report(picked[m], m, P)
     print(f"GPipe m = {m}, the median step: {line}")
 
 # %% [markdown]
@@ -580,7 +589,7 @@ for m in M_SWEEP:
 # %%
 where = (f"{P} GPU processes" if torch.cuda.device_count() >= P
          else f"{P} CPU processes")
-base = sweep["GPipe m=1"].median
+base = sweep["GPipe m=1"].median / STEPS  # a run is STEPS steps
 mp = reference.published("pt_mp_tutorial.resnet50_two_gpus_no_pipeline_seconds")
 tutorial = [reference.published(f"pt_mp_tutorial.resnet50_pipelined_{k}_seconds")
             for k in ("split20", "split12")]
@@ -593,7 +602,7 @@ ax1.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction (bubble)",
         title="The bubble")
 ax1.set_xticks(M_SWEEP, labels=[str(m) for m in M_SWEEP])
 ax1.legend(fontsize=7)
-ax2.plot(M_SWEEP, [sweep[f"GPipe m={m}"].median / base for m in M_SWEEP],
+ax2.plot(M_SWEEP, [sweep[f"GPipe m={m}"].median / STEPS / base for m in M_SWEEP],
          label=f"measured here, {where} (median step)",
          **plots.figure_style("measured"))
 ax2.plot(M_SWEEP, [(m + 1) / (2 * m) for m in M_SWEEP],
@@ -609,14 +618,14 @@ ax2.legend(fontsize=7)
 plt.tight_layout()
 plt.show()
 print(f"[{mp.label}]")
-work = {m: max(sum(e - s for lane, s, e, _ in steps[m]["spans"] if lane == f"stage {r}")
-               for r in range(P)) for m in M_SWEEP}
+work = {m: max(sum(e - s for lane, s, e, _ in picked[m]["spans"]
+                   if lane == f"stage {r}") for r in range(P)) for m in M_SWEEP}
 m_hi = M_SWEEP[-1]
 print(f"the busiest stage's own work: {work[1] * 1e3:.1f} ms at m = 1, "
       f"{work[m_hi] * 1e3:.1f} ms at m = {m_hi} ({work[m_hi] / work[1]:.2f}x); with "
       f"that work, the formula's step at m = {m_hi} is "
       f"{work[m_hi] * (m_hi + P - 1) / m_hi * 1e3:.1f} ms, measured "
-      f"{sweep[f'GPipe m={m_hi}'].median * 1e3:.1f} ms (median)")
+      f"{sweep[f'GPipe m={m_hi}'].median / STEPS * 1e3:.1f} ms (median)")
 print("verdict: " + (
     "the machine was busy during the runs - run the cell again"
     if sweep.disturbed else
@@ -629,7 +638,7 @@ print("verdict: " + (
 # %%
 for m in (1, 4):
     if bubbles[m] == bubbles[m]:  # not nan: a timeline that can be true
-        plot_timeline(steps[m]["spans"], title=f"GPipe, {where}, m = {m} "
+        plot_timeline(picked[m]["spans"], title=f"GPipe, {where}, m = {m} "
                       f"(measured, the median step, bubble {bubbles[m]:.0%})")
         plt.show()
 
@@ -660,7 +669,7 @@ for m in (1, 4):
 
 # %%
 for name in ("GPipe m=8", "1F1B m=8"):
-    step = median_step(ranks, 1, name)
+    step = median_step(ranks, 1, name, STEPS)
     print(f"{name}: {report(step, 8, P)[1]}; micro-batches held at most "
           f"{step['held']}, activations kept at most "
           f"{[f'{b / 2**20:.2f} MiB' for b in step['kept']]} (stage 0, stage 1)")
@@ -681,10 +690,10 @@ print(ranks[0].value[0][1])
 # %%
 P4, M4 = 4, 8
 plans4 = {"GPipe": (M4, orders(simulate(P4, M4, gpipe), P4)),
-          "1F1B": (M4, orders(simulate(P4, M4, one_f_one_b), P4))}
-ranks4 = launch(run_pipeline, P4, args=(plans4, [list(plans4)], 3), timeout=120)
+          "1F1B": (M4, orders(simulate(P4, M4, one_f_one_b_policy), P4))}
+ranks4 = launch(run_pipeline, P4, args=(plans4, [list(plans4)], 3, 1), timeout=120)
 for name in plans4:
-    step = median_step(ranks4, 0, name)
+    step = median_step(ranks4, 0, name, 1)
     print(f"{name}, 4 stages, m = {M4}: {report(step, M4, P4)[1]}; micro-batches "
           f"held {step['held']}")
 
