@@ -306,6 +306,7 @@ def make_model(width, depth, seed=0):
 
 
 def train_rank(rank, world_size, width, depth, steps):
+    warnings.simplefilter("ignore")  # a note on full backward hooks (ZeRO-3)
     dev = rank_device(rank)
     torch.manual_seed(100 + rank)  # different data on every rank
     x, y = torch.randn(8, width, device=dev), torch.randn(8, width, device=dev)
@@ -401,28 +402,34 @@ except RankFailed as e:
 # `DistributedDataParallel`:
 
 # %%
-def memory_rank(rank, world_size, width, depth):
-    from torch.nn.parallel import DistributedDataParallel
+class TorchDDP(AllReduceDDP):
+    """PyTorch's DistributedDataParallel: it all-reduces during backward."""
 
+    def __init__(self, model, lr=1e-2):
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().__init__(DistributedDataParallel(model), lr)
+
+    def step(self, x, y):
+        nn.functional.mse_loss(self.model(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def memory_rank(rank, world_size, width, depth):
+    warnings.simplefilter("ignore")
     dev = rank_device(rank)
     torch.manual_seed(100 + rank)
     x, y = torch.randn(16, width, device=dev), torch.randn(16, width, device=dev)
+    trainers = {"DDP by hand": AllReduceDDP, "torch DDP": TorchDDP,
+                "ZeRO-1": lambda m: Zero(m, 1), "ZeRO-2": lambda m: Zero(m, 2),
+                "ZeRO-3": lambda m: Zero(m, 3)}
     table = {}
-    for name in ("DDP by hand", "torch DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
+    for name, make_trainer in trainers.items():
         model = make_model(width, depth).to(dev)
-        if name == "torch DDP":
-            ddp_model = DistributedDataParallel(model)
-            trainer = AllReduceDDP(ddp_model)
-            trainer.step = lambda x, y, t=trainer: (  # DDP reduces in backward
-                nn.functional.mse_loss(t.model(x), y).backward(), t.opt.step(),
-                t.opt.zero_grad())
-        elif name == "DDP by hand":
-            trainer = AllReduceDDP(model)
-        else:
-            trainer = Zero(model, int(name[-1]))
-        trainer.step(x, y)
-        tracked = [model, trainer.opt, x, y] + (
-            [trainer.shards] if isinstance(trainer, Zero) else [])
+        trainer = make_trainer(model)
+        trainer.step(x, y)  # the first step creates Adam's state
+        tracked = [model, trainer.opt, x, y, getattr(trainer, "shards", None)]
         table[name] = memory.track_step(lambda t=trainer: t.step(x, y), *tracked)
     return table
 
@@ -497,9 +504,13 @@ def fsdp_rank(rank, world_size, steps):
     mesh = init_device_mesh(dev.type, (world_size,))
     x, y = (t.to(dev) for t in batch(rank))
     out = {}
-    for reshard in (True, False):
-        model = shard_blocks(make_blocks().to(dev), mesh,
-                             reshard_after_forward=reshard)
+    for setting in (True, False, "prefetch"):
+        model = shard_blocks(make_blocks().to(dev), mesh, reshard_after_forward=(
+            setting if isinstance(setting, bool) else True))
+        if setting == "prefetch":  # gather the next block while this one runs
+            for block, after in zip(model, model[1:], strict=False):
+                block.set_modules_to_forward_prefetch([after])
+                after.set_modules_to_backward_prefetch([block])
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
         def step(model=model, opt=opt):
@@ -515,7 +526,7 @@ def fsdp_rank(rank, world_size, steps):
         for _ in range(steps - 3):
             step()
         w = model[0][0].weight
-        out[reshard] = {"counts": {str(k).split(".")[-1]: v for k, v in
+        out[setting] = {"counts": {str(k).split(".")[-1]: v for k, v in
                                    comm.get_comm_counts().items()},
                         "peak": peak, "weights": [p.full_tensor().cpu()
                                                   for p in model.parameters()]}
@@ -586,11 +597,17 @@ print(f"keeping the parameters costs {format_bytes(gap)} per rank here, and save
 # **Prefetching.** On a GPU, an all-gather runs on its own stream while the
 # previous block computes. FSDP2 issues the next block's all-gather early by
 # itself in backward, and can be told to do so in forward, or further ahead:
-# `model[i].set_modules_to_forward_prefetch([model[i + 1]])` and
-# `model[i].set_modules_to_backward_prefetch([model[i - 1]])`. That changes
-# *when* the collectives start, not how many there are or what they compute;
-# over gloo on a CPU there is nothing to overlap with.
-#
+# `block.set_modules_to_forward_prefetch([next_block])` and
+# `next_block.set_modules_to_backward_prefetch([block])`, as the third run
+# did. That changes *when* the collectives start, not how many there are or
+# what they compute (over gloo on a CPU there is nothing to overlap with):
+
+# %%
+same = all(torch.equal(a, b) for a, b in zip(
+    fsdp[0]["prefetch"]["weights"], fsdp[0][True]["weights"], strict=True))
+print(f"with prefetching: {fsdp[0]['prefetch']['counts']}, the same weights: {same}")
+
+# %% [markdown]
 # ### Mixed precision, CPU offload, and the two classic mistakes
 #
 # `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`
@@ -784,7 +801,7 @@ def hsdp_rank(rank, world_size):
     mesh = init_device_mesh(rank_device(rank).type, (2, 2),
                             mesh_dim_names=("replicate", "shard"))
     model = shard_blocks(make_blocks(), mesh)
-    x, y = batch(rank)
+    x, y = (t.to(rank_device(rank)) for t in batch(rank))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(4):
         nn.functional.mse_loss(model(x), y).backward()
