@@ -167,11 +167,14 @@ def plot_figure_bars(figures, title: str = "", ylabel: str = "", ax=None,
     ax = _axes(ax, figsize=(max(4.0, 1.6 * len(figures) + 1.5), 3.6))
     colors = plt.cm.tab10.colors
     for i, f in enumerate(figures):
-        bar = ax.bar(i, f.value, color=colors[i % 10], edgecolor="black",
-                     hatch=FIGURE_STYLE[f.kind]["hatch"], label=f.legend)
+        # a light grey hatch on a pale bar: the kind shows, the labels stay legible
+        bar = ax.bar(i, f.value, color=colors[i % 10], edgecolor="0.45",
+                     linewidth=0.8, hatch=FIGURE_STYLE[f.kind]["hatch"],
+                     label=f.legend)
         ax.annotate(fmt.format(f.value), (i, f.value), ha="center", va="bottom",
-                    fontsize=8)
-        bar[0].set_alpha(0.85)
+                    fontsize=8, bbox={"boxstyle": "round,pad=0.15", "fc": "white",
+                                      "ec": "none", "alpha": 0.85})
+        bar[0].set_alpha(0.6)
     ax.set_xticks(range(len(figures)),
                   [f"{f.device}\n({f.kind})" for f in figures], fontsize=7)
     if logy:
