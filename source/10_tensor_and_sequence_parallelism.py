@@ -94,8 +94,8 @@ def rank_device(rank):
 # weights (`4 h^2` in attention, `8 h^2` in the MLP). For GPT-3's width the
 # cell counts its weights, their Adam training state (16 bytes per weight
 # in mixed precision) and its stored activations for one 2048-token
-# sequence, counting only the six `(s, h)` matrix inputs and the `(s, 4h)`
-# MLP hidden state in bf16 - a lower bound:
+# sequence, counting only six `(s, h)` and two `(s, 4h)` tensors per layer
+# in bf16 and leaving out attention's scores - a lower bound:
 
 # %%
 h, seq, n_layers = 12288, 2048, 96  # GPT-3 175B's width, context, depth
@@ -107,11 +107,16 @@ print(f"one layer: {layer_weights / 1e9:.2f} B weights, "
       f"{act_bytes / 2**20:.0f} MiB of activations per sequence")
 print(f"{n_layers} layers: {n_layers * adam_bytes / 2**30:,.0f} GiB of state, "
       f"{n_layers * act_bytes / 2**30:.0f} GiB of activations per sequence")
-print("split 8 ways (one 8-GPU node): "
-      f"{n_layers * (adam_bytes + act_bytes) / 8 / 2**30:,.0f} GiB per GPU")
+per_gpu = n_layers * (adam_bytes + act_bytes) / 8 / 2**30
+gpu_memory = reference.published("h100_sxm.memory_gb")
+print(f"split 8 ways (one 8-GPU node): {per_gpu:,.0f} GiB per GPU, "
+      f"{per_gpu * 2**30 / 1e9 / gpu_memory.value:.1f}x an H100's "
+      f"{gpu_memory.value} GB [{gpu_memory.label}]")
 
 # %% [markdown]
-# The price is communication *inside* every layer: the forward pass of each
+# Even split 8 ways it does not fit, so tensor parallelism is combined with
+# pipelines and sharding (section 5). The price is communication *inside*
+# every layer: the forward pass of each
 # attention and each MLP ends with an all-reduce of the full activation, and
 # the next layer cannot start before it finishes. So the link between the
 # devices sets the pace. Inside an 8-GPU node NVLink carries hundreds of
@@ -193,19 +198,19 @@ def mlp_by_hand(rank, world_size):
     dev = rank_device(rank)
     torch.manual_seed(0)
     d, hidden = 6, 20
-    full = [torch.randn(hidden, d), torch.randn(hidden), torch.randn(d, hidden),
-            torch.randn(d)]
+    full = [torch.randn(hidden, d) / d**0.5, torch.randn(hidden),
+            torch.randn(d, hidden) / hidden**0.5, torch.randn(d)]
     x = torch.randn(5, d)
     report = {}
     for use_f in (True, False):
         xs = x.clone().to(dev).requires_grad_()
         ws = [w.clone().to(dev).requires_grad_() for w in full]
         out = megatron_mlp(xs, *ws, use_f=use_f)
-        out.square().sum().backward()
+        out.square().mean().backward()
         ref_x = x.clone().requires_grad_()  # one process, the whole MLP
         ref_w = [w.clone().requires_grad_() for w in full]
         ref = F.linear(F.gelu(F.linear(ref_x, ref_w[0], ref_w[1])), ref_w[2], ref_w[3])
-        ref.square().sum().backward()
+        ref.square().mean().backward()
         w1_grad = ws[0].grad.clone()
         dist.all_reduce(w1_grad)  # each rank filled its own rows
         report[use_f] = ((out.cpu() - ref).abs().max().item(),
@@ -264,7 +269,7 @@ def comm_counts(mode):
 
 def redistributions(mesh):
     torch.manual_seed(0)
-    full = torch.arange(24.0).reshape(4, 6)
+    full = torch.arange(24.0, device=mesh.device_type).reshape(4, 6)
     rows = distribute_tensor(full, mesh, [Shard(0)])
     partial = DTensor.from_local(full / mesh.size(), mesh, [Partial()])
     changes = {"Shard(0) -> Replicate": (rows, [Replicate()]),
@@ -574,11 +579,13 @@ print("verdict: " + (f"sequence parallelism saved {1 - sp_b / tp_b:.0%} of "
                      "no saving here"))
 
 # %% [markdown]
-# TP alone halves only what lives inside attention and the MLP; the norms'
+# TP alone splits only what lives inside attention and the MLP; the norms'
 # inputs, the residual stream and the logits' inputs stay whole on every
-# rank. SP splits those too. At GPT-3 scale the replicated part is a large
-# share of a layer's activations, which is why Korthikanti et al. pair
-# SP with selective recomputation (published figures in section 6).
+# rank. SP splits those too. Not everything: the all-gathered input of each
+# column-parallel layer is still saved whole here (Megatron-LM saves the
+# shard instead and gathers it again in the backward). Korthikanti et al.
+# pair SP with selective recomputation of attention's largest activations
+# (published figures in section 6).
 #
 # ## 5. 2-D parallelism: FSDP2 across, TP within
 #
@@ -664,6 +671,7 @@ for tp, link in ((8, "nvlink_h100"), (16, "ndr_infiniband")):
 for key in ("megatron_2019.scaling_efficiency_512_gpus",
             "megatron_2021.aggregate_pflops_3072_gpus",
             "megatron_2021.fraction_of_peak_3072_gpus",
+            "korthikanti_2022.activation_memory_reduction",
             "korthikanti_2022.mfu_530b_sp_selective",
             "korthikanti_2022.mfu_530b_full_recompute"):
     f = reference.published(key)
