@@ -120,7 +120,7 @@ print(f"split 8 ways (one 8-GPU node): {per_gpu:,.0f} GiB per GPU, "
 # attention and each MLP ends with an all-reduce of the full activation, and
 # the next layer cannot start before it finishes. So the link between the
 # devices sets the pace. Inside an 8-GPU node NVLink carries hundreds of
-# GB/s per GPU; between nodes each GPU has one network port, about ten
+# GB/s per GPU; between nodes each GPU has one network port, about nine
 # times slower (published figures in section 6). That is why tensor
 # parallelism is used inside a node, and pipelines or data parallelism
 # across nodes.
