@@ -25,13 +25,18 @@
 #
 # **Hardware.** Everything runs on a CPU: autocast works there with bfloat16
 # (and float16, slowly), the gradient scaler too, and memory is counted by
-# tensor bytes rather than by GPU counters (on a CPU-only build
-# `torch.cuda.memory_allocated()` returns 0 without an error). GPU speed-ups
+# deterministic counters - a saved-tensors hook and PyTorch's `MemTracker` -
+# rather than by GPU counters (on a CPU-only build
+# `torch.cuda.memory_allocated()` returns 0 without an error). With a GPU,
+# each measurement also runs there, beside its CPU twin: fp32/bf16/fp16 and
+# TF32 speed, `torch.cuda.max_memory_allocated` beside the counters,
+# checkpointing's peak and `save_on_cpu`. A GPU older than Ampere (compute
+# capability below 8.0, e.g. a T4) has no bf16 tensor cores and no TF32: the
+# cells say so and show what happens instead. Without a GPU, GPU speed-ups
 # are shown as published datasheet figures and labelled predictions.
 
 # %%
 import copy
-import json
 import os
 import tempfile
 import time
@@ -41,6 +46,7 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import Image, display
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
 from course_utils import banner, bench, predict, reference
@@ -51,10 +57,20 @@ from course_utils.checks.ch08 import (
     check_saved_bytes,
     check_scaled_step,
 )
+from course_utils.compare import compare
 
 banner()
 FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
+# with its index: MemTracker files memory under cuda:0, not under "cuda"
+gpu = (torch.device("cuda", torch.cuda.current_device())
+       if torch.cuda.is_available() else None)
+if gpu:
+    major, minor = torch.cuda.get_device_capability(gpu)
+    print(f"GPU: {torch.cuda.get_device_name(gpu)}, compute capability "
+          f"{major}.{minor}: " + ("bf16 tensor cores and TF32" if major >= 8 else
+                                 "fp16 tensor cores only - no bf16 tensor cores, "
+                                 "no TF32"))
 
 # %% [markdown]
 # ## 1. Number formats, from their bits
@@ -100,8 +116,9 @@ for value in (1.0, 0.1, 70000.0, 1e-8, 1 + 1 / 512):
 
 # %% [markdown]
 # Read the three interesting rows: 70000 is beyond fp16's largest value
-# (65504) and becomes `inf`; 1e-8 is below fp16's smallest subnormal and
-# becomes 0, while bf16 keeps both (with few digits); and 1 + 1/512 needs 9
+# (65504) and becomes `inf`; 1e-8 is below half of fp16's smallest
+# subnormal and becomes 0, while bf16 keeps both (with few digits); and
+# 1 + 1/512 needs 9
 # mantissa bits, so bf16 rounds it to 1. Drag the slider to see any value's
 # bits and rounding:
 
@@ -152,24 +169,81 @@ else:
 
 # %% [markdown]
 # Is it faster? Only where the hardware has fast 16-bit arithmetic. Recent
-# server CPUs have bf16 instructions; on others bf16 may be slower than fp32,
-# and fp16 is very slow on CPUs (a tiny size here). On GPUs the tensor cores
-# are many times faster in 16 bits than fp32: the published peaks below.
+# server CPUs have bf16 instructions (AVX512-BF16, AMX); on others bf16 may be
+# slower than fp32, and fp16 is very slow on CPUs (a tiny size here). The
+# cell reads which instructions this CPU has, then compares the two formats
+# with the comparison protocol. On GPUs the tensor cores are many times
+# faster in 16 bits than fp32 (the published peaks below); with a GPU, the
+# same matmuls run there too.
 
 # %%
-def matmul_time(n, dtype):
-    """Seconds of the fastest n x n matmul on one thread: others only slow it."""
+caps = torch.cpu.get_capabilities()
+bf16_units = [k for k in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
+              if caps.get(k)]
+print(f"this CPU: {caps.get('cpu_name', '?')}, vector unit "
+      f"{torch.backends.cpu.get_cpu_capability()}, bf16 instructions: "
+      f"{', '.join(bf16_units) or 'none'}")
+
+
+def matmuls(n, dtype, device, number):
+    """A function that runs `number` n x n matmuls in dtype and waits for them."""
+    a = torch.randn(n, n, device=device).to(dtype)
+
+    def run():
+        for _ in range(number):
+            torch.mm(a, a)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run
+
+
+def one_matmul(n, dtype):
+    """(fastest, slowest) seconds of one n x n matmul in dtype, one thread."""
     a = torch.randn(n, n).to(dtype)
-    return min(bench(torch.mm, a, a, min_run_time=0.05, num_threads=1).times)
+    times = bench(torch.mm, a, a, min_run_time=0.05, num_threads=1).times
+    return min(times), max(times)
 
 
-t32, t16b = matmul_time(384, torch.float32), matmul_time(384, torch.bfloat16)
-t16 = matmul_time(64, torch.float16) * (384 / 64) ** 3  # scaled from a tiny one
-print(f"on this CPU, one thread, 384x384 matmul: fp32 {format_seconds(t32)}, bf16 "
-      f"{format_seconds(t16b)} ({t32 / t16b:.2f}x), fp16 about {format_seconds(t16)} "
-      f"(from a 64x64, x{(384 / 64) ** 3:.0f})")
-print("verdict:", "bf16 is faster here: this CPU has bf16 hardware" if t16b < t32
-      else "bf16 is not faster here: this CPU has no fast bf16 path")
+cpu_dev = torch.device("cpu")
+if bf16_units:  # a fast bf16 path can exist: the comparison protocol judges it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: a second thread only shares a busy machine
+    try:
+        print("CPU, one thread, 10 matmuls of 384 x 384:")
+        print(compare({"fp32": matmuls(384, torch.float32, cpu_dev, 10),
+                       "bf16": matmuls(384, torch.bfloat16, cpu_dev, 10)}, repeats=3))
+    finally:
+        torch.set_num_threads(threads)
+else:  # bf16 is far slower here: ranges of a few runs, judged by their overlap
+    ranges = {name: one_matmul(256, dt) for name, dt in FORMATS.items()
+              if name != "float16"}
+    ranges["float16"] = tuple(t * 64 for t in one_matmul(64, torch.float16))
+    for name, (lo, hi) in ranges.items():
+        print(f"CPU, one thread, one 256 x 256 matmul in {name:8}: "
+              f"{format_seconds(lo)} - {format_seconds(hi)}"
+              + (" (scaled from 64 x 64, x64)" if name == "float16" else ""))
+    (f_lo, f_hi), (b_lo, b_hi) = ranges["float32"], ranges["bfloat16"]
+    print("verdict: " + (
+        f"bf16 is slower here in every run ({b_lo / f_hi:.0f}x at least): without "
+        "bf16 instructions it is widened to fp32 to compute" if b_lo > f_hi else
+        "the ranges overlap: no difference can be read from them - run again"))
+if gpu:  # the same matmuls on the GPU, in every format it can run
+    def runs_on_gpu(dtype):
+        try:
+            torch.mm(*[torch.ones(8, 8, device=gpu, dtype=dtype)] * 2)
+            return True
+        except RuntimeError:
+            return False
+
+    gpu_mm = compare({name: matmuls(2048, dt, gpu, 20) for name, dt in
+                      (("fp32", torch.float32), ("fp16", torch.float16),
+                       ("bf16", torch.bfloat16)) if runs_on_gpu(dt)}, repeats=3)
+    print(f"{torch.cuda.get_device_name(gpu)}, 20 matmuls of 2048 x 2048 (fp32 "
+          "as PyTorch runs it by default, without TF32):")
+    print(gpu_mm)
+    if major < 8:
+        print(f"capability {major}.{minor}: fp16 runs on tensor cores, bf16 has none "
+              "here (or cannot run at all), so it cannot gain like fp16")
 for key in ("h100_sxm.fp32_tflops", "h100_sxm.bf16_tensor_dense_tflops",
             "a100_sxm_80gb.fp32_tflops", "a100_sxm_80gb.bf16_tensor_dense_tflops"):
     f = reference.published(key)
@@ -181,8 +255,11 @@ print(f"peak bf16 / fp32 on an H100: {ratio:.1f}x (datasheet peaks; real models 
 # %% [markdown]
 # ## 3. Why fp16 needs a gradient scaler
 #
-# Gradients are often tiny. In fp16, anything below about 6e-8 is 0: the
-# gradient **underflows**, and the weights stop learning. The fix is to
+# Gradients are often tiny. fp16's smallest subnormal is 2^-24 (about
+# 6.0e-8); rounding to nearest sends values below half of it, 2^-25 (about
+# 3.0e-8), to 0 (2^-25 itself is a tie, rounded to the even 0), and values
+# between the two up to 2^-24. A gradient that small **underflows**, and the
+# weights stop learning. The fix is to
 # multiply the loss by a large **scale** before `backward()` (all gradients
 # grow by the same factor), and divide the gradients by it before the
 # optimizer step. If the scale was too large, some gradient overflows to
@@ -191,6 +268,10 @@ print(f"peak bf16 / fp32 on an H100: {ratio:.1f}x (datasheet peaks; real models 
 # with fp16 for real, on tiny tensors:
 
 # %%
+for k, value in (("2^-24", 2.0**-24), ("1.5 x 2^-25", 1.5 * 2.0**-25),
+                 ("2^-25", 2.0**-25), ("2^-26", 2.0**-26)):
+    print(f"{k:>11} = {value:.3e} in fp16 -> "
+          f"{torch.tensor(value, dtype=torch.float16).item():.3e}")
 w = torch.full((1000,), 1e-3, dtype=torch.float16, requires_grad=True)
 xs = torch.full((1000,), 1e-5, dtype=torch.float16)
 (w * xs).sum().backward()  # each gradient is 1e-5 * d(loss)... tiny
@@ -241,7 +322,11 @@ except ValueError as e:
 # per-backend `fp32_precision` setting; mixing the two raises an error when
 # read (the cell sets the new one and reads the legacy ones, then restores
 # them; use only the new API). On a CPU the oneDNN backend has the same kind
-# of switch, with bf16 as the faster internal format:
+# of switch, with bf16 as the faster internal format - where the CPU has bf16
+# instructions. Where it has none (most laptops), oneDNN keeps fp32 and the
+# switch does nothing: the cell checks whether the products changed at all
+# before it times anything. With a GPU, the real TF32 switch runs beside it
+# (Ampere and newer; on older GPUs, it changes nothing either):
 
 # %%
 print("float32 matmul precision:", torch.get_float32_matmul_precision())
@@ -263,32 +348,46 @@ finally:
     cuda_mm.fp32_precision = old_cuda
 print(f"restored: fp32_precision {cuda_mm.fp32_precision!r}, allow_tf32 "
       f"{cuda_mm.allow_tf32}")
-a64 = torch.randn(512, 512, dtype=torch.float64)
-a32 = a64.float()
-exact = a64 @ a64
-results = {}
-backend = getattr(torch.backends.mkldnn, "matmul", None)
-modes = ["ieee", "bf16"] if backend is not None and hasattr(backend,
-                                                           "fp32_precision") else []
-old = backend.fp32_precision if modes else None
-try:
-    for mode in modes:
+def in_mode(backend, mode, fn):
+    """fn, run with the backend's fp32 matmul precision set to mode (restored)."""
+    def run():
+        old = backend.fp32_precision
         backend.fp32_precision = mode
-        t = min(bench(torch.mm, a32, a32, min_run_time=0.05).times)
-        err = ((a32 @ a32).double() - exact).abs().max().item() / exact.abs().max().item()
-        results[mode] = (t, err)
-finally:
-    if modes:
-        backend.fp32_precision = old
-for mode, (t, err) in results.items():
-    print(f"oneDNN fp32 matmul, internal {mode:4}: {format_seconds(t):>9}, largest "
-          f"relative error {err:.1e}")
-if len(results) == 2:
-    (t_i, e_i), (t_b, e_b) = results["ieee"], results["bf16"]
-    print(f"verdict on this CPU: the bf16 path took {t_b / t_i:.2f}x the time, with "
-          f"{e_b / e_i:.1f}x the error" + (" - no faster here" if t_b >= t_i else ""))
-if not results:
-    print("this torch has no oneDNN fp32_precision switch")
+        try:
+            return fn()
+        finally:
+            backend.fp32_precision = old
+    return run
+
+
+def fp32_modes(backend, modes, a, device):
+    """Each mode's error against fp64 and, if the products differ, their timing."""
+    exact = a.double() @ a.double()
+    prods = {mode: in_mode(backend, mode, lambda: a @ a)() for mode in modes}
+    for mode, prod in prods.items():
+        err = (prod.double() - exact).abs().max() / exact.abs().max()
+        print(f"  internal {mode:4}: largest relative error {err.item():.1e}")
+    if torch.equal(*prods.values()):
+        return None  # the switch changed nothing: no timing to compare
+    return compare({mode: in_mode(backend, mode, matmuls(a.shape[0], torch.float32,
+                                                         device, 10))
+                    for mode in modes}, repeats=5)
+
+
+print(f"oneDNN fp32 matmul on this CPU (bf16 instructions: "
+      f"{', '.join(bf16_units) or 'none'}):")
+onednn = fp32_modes(torch.backends.mkldnn.matmul, ("ieee", "bf16"),
+                    torch.randn(512, 512), torch.device("cpu"))
+print(onednn if onednn else "verdict: nothing happens on this CPU - the products "
+      "are bit for bit the same, so oneDNN kept fp32 (no bf16 instructions to "
+      "use); there is no speed to compare")
+if gpu:  # the real TF32, on the GPU
+    print(f"CUDA fp32 matmul on {torch.cuda.get_device_name(gpu)} (capability "
+          f"{major}.{minor}):")
+    tf32 = fp32_modes(torch.backends.cuda.matmul, ("ieee", "tf32"),
+                      torch.randn(2048, 2048, device=gpu), gpu)
+    print(tf32 if tf32 else f"verdict: no TF32 on capability {major}.{minor} - the "
+          "products are bit for bit the same, the switch changes nothing")
 
 # %% [markdown]
 # ## 5. Where the memory of training goes
@@ -297,24 +396,26 @@ if not results:
 # bytes), its gradient (4) and Adam's two moments (8): 16 bytes. Activations
 # come on top: every tensor the forward pass **saves for the backward pass**.
 # We count those exactly with a saved-tensor hook, which sees each one as it
-# is saved.
+# is saved; it counts each storage once, since two operations may save the
+# same tensor.
 
 # %%
 def saved_activation_bytes(fn, skip=()):
-    """Bytes of the tensors saved for backward while fn() runs; tensors that
-    share memory with one in `skip` (the parameters) are not counted."""
-    total = 0
+    """Bytes autograd holds for backward while fn() runs: each saved storage
+    once (two operations may save the same tensor), leaving out storages
+    shared with a tensor in `skip` (the parameters)."""
+    held = {}
     skipped = {t.untyped_storage().data_ptr() for t in skip}
 
     def pack(t):
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in skipped:
-            total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skipped:
+            held[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return total, out
+    return sum(held.values()), out
 
 
 def block(width):
@@ -360,51 +461,74 @@ widgets.interact(draw_breakdown, batch=widgets.IntSlider(
     min=8, max=512, step=8, value=64, description="batch", continuous_update=False));
 
 # %% [markdown]
-# The hook counts what autograd keeps; the allocator sees every byte. On a CPU
-# the only honest reading of the allocator is the profiler's: with
-# `profile_memory=True` its trace has `[memory]` events, each carrying the
-# "Total Allocated" by the profiled code so far. (`torch.cuda.memory_*` reads 0
-# on a CPU-only build, and the process's RSS misses small blocks.) We profile
-# the forward pass and the backward pass of the same model separately (the
-# profiler may log its start and stop on stderr):
+# The hook counts what autograd keeps; a training step holds more: the
+# gradients, the optimizer's state, and temporaries of the backward pass.
+# PyTorch's `MemTracker` (`torch.distributed._tools.mem_tracker`) counts them
+# all, deterministically: it sees every tensor created while it is active and
+# files its storage under parameters, gradients, optimizer state, activations
+# or temporaries, and it records the peak. (The profiler's "Total Allocated"
+# is no substitute: it keeps counting across profiles in one process.) With
+# a GPU, the same step runs there too, and the allocator's own peak,
+# `torch.cuda.max_memory_allocated`, stands beside the tracker's:
 
 # %%
-def allocator_bytes(fn):
-    """(peak, final) bytes allocated by fn() as the profiler's trace reports them."""
-    with tempfile.TemporaryDirectory() as tmp:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    profile_memory=True) as prof:
-            fn()
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events
-              if e.get("name") == "[memory]"]
-    return max(totals), totals[-1]
+def step_memory(device, batch=64, width=256, depth=6):
+    """One Adam step of the breakdown's model: MemTracker's snapshots after the
+    forward, at the peak and after the step, and on a GPU the allocator's peak
+    above the start."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[block(width) for _ in range(depth)]).to(device)
+    adam = torch.optim.Adam(net.parameters())
+    x = torch.randn(batch, width, device=device)
+    if device.type == "cuda":  # the warm-up creates cuBLAS's workspace first
+        net(x).sum().backward()
+        net.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    tracker = MemTracker()
+    tracker.track_external(net, adam, x)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[device]["Total"]
+        out = net(x)
+        after_forward = tracker.get_tracker_snapshot("current")[device]
+        out.sum().backward()
+        adam.step()
+        after_step = tracker.get_tracker_snapshot("current")[device]
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    gpu_peak = (torch.cuda.max_memory_allocated(device) - start
+                if device.type == "cuda" else None)
+    return before, after_forward, after_step, peak, gpu_peak
 
 
-torch.manual_seed(0)
-net = nn.Sequential(*[block(256) for _ in range(6)])
-xb = torch.randn(64, 256)
-hook_bytes, _ = saved_activation_bytes(lambda: net(xb), skip=list(net.parameters()))
-kept = {}
-fwd_peak, fwd_end = allocator_bytes(lambda: kept.update(out=net(xb)))
-grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-bwd_peak, _ = allocator_bytes(lambda: kept["out"].sum().backward())
-x_bytes, out_bytes = xb.numel() * 4, kept["out"].numel() * 4
-print(f"forward:  allocator holds {fwd_end:,} B at its end (peak {fwd_peak:,} B); "
-      f"hook's saved activations {hook_bytes:,} B - the input {x_bytes:,} B "
-      f"(allocated before) + the output {out_bytes:,} B = "
-      f"{hook_bytes - x_bytes + out_bytes:,} B: "
-      + ("equal" if fwd_end == hook_bytes - x_bytes + out_bytes else "different"))
-print(f"backward: allocator peak {bwd_peak:,} B; the gradients alone are "
-      f"{grad_bytes:,} B: "
-      + (f"{bwd_peak - grad_bytes:,} B more, the backward's temporaries (the "
-         "gradients passed between layers), net of the activations it frees"
-         if bwd_peak >= grad_bytes else "the peak is below the gradients?"))
+def by_category(snapshot):
+    return ", ".join(f"{k.value.lower()} {v / 2**20:.2f}"
+                     for k, v in snapshot.items() if v and k != "Total")
+
+
+for device in [torch.device("cpu")] + ([gpu] if gpu else []):
+    before, after_forward, after_step, peak, gpu_peak = step_memory(device)
+    print(f"{device.type}: after the forward (MiB): {by_category(after_forward)}")
+    print(f"{device.type}: at the step's peak (MiB): {by_category(peak)}")
+    print(f"{device.type}: after Adam's step (MiB): {by_category(after_step)}")
+    if gpu_peak is not None:
+        print(f"{device.type}: above the start, MemTracker "
+              f"{peak['Total'] - before:,} B, "
+              f"torch.cuda.max_memory_allocated {gpu_peak:,} B (both round each "
+              "block up to 512 B; a difference is memory MemTracker cannot see, "
+              "such as a library's workspace)")
+n_p = sum(p.numel() for b in range(6) for p in block(256).parameters())
+print(f"the formula, {n_p:,} parameters: 4 B each for the parameters and the "
+      f"gradients, 8 B for Adam's two moments = {16 * n_p / 2**20:.2f} MiB; the hook's "
+      f"activations {parts['activations'] / 2**20:.2f} MiB")
 
 # %% [markdown]
+# Read the three snapshots: after the forward, the activations are the
+# hook's count plus the output (the input is filed as "other"); after the
+# step, the gradients and Adam's two moments match the formula; at the peak,
+# inside `adam.step()`, Adam also holds temporaries of its update, filed with
+# its state - a real step needs a little more than 16 bytes per parameter.
+#
 # For a large model we need not allocate anything to count: on the **meta**
 # device tensors have shapes and dtypes but no memory. A model with the shapes
 # of a 7-billion-parameter transformer (32 layers, width 4096, MLP 11008,
@@ -448,56 +572,129 @@ print(f"  one {h100_mem.device} holds {h100_mem.value} GB [{h100_mem.label}]")
 # %% [markdown]
 # (Mixed precision keeps an fp16/bf16 copy of the weights *beside* the fp32
 # master weights, so it saves activation memory and time, not parameter
-# memory.) Even the smallest line does not fit one 80 GB GPU: that is what
-# sharding (ZeRO, FSDP - later chapters) and offloading are for.
-#
+# memory.) Does the smallest line fit one 80 GB GPU? Memory chips come in
+# binary sizes, so 80 GB of HBM are 80 GiB (80 x 2^30 bytes), of which the
+# driver keeps a little; a GPU reports what it can use. What is left must
+# still hold the activations, the CUDA context and the allocator's cache:
+
+# %%
+smallest = n_params * (2 + 2 + 8)
+usable = (torch.cuda.get_device_properties(gpu).total_memory if gpu
+          else h100_mem.value * 2**30)
+print(f"bf16 weights and gradients, fp32 Adam: {smallest / 1e9:.1f} GB = "
+      f"{smallest / 2**30:.1f} GiB, against "
+      + (f"this GPU's {usable / 2**30:.1f} GiB (total_memory)" if gpu else
+         f"an H100's {h100_mem.value} GiB of HBM, less the driver's share")
+      + (f": it fits, leaving {(usable - smallest) / 2**30:.1f} GiB for everything "
+         "else" if smallest < usable else ": it does not fit"))
+
+# %% [markdown]
 # ## 6. Activation checkpointing
 #
 # Instead of saving every activation, a checkpointed segment saves only its
 # input and **recomputes** the rest during the backward pass: less memory,
 # more time. `torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)`
 # wraps a segment. Below, 8 blocks, checkpointed not at all, per block, and
-# every 4 blocks, with the bytes saved (counted by the hook) and the time of
-# forward + backward.
+# every 4 blocks. Two memory figures matter, and they differ: what the
+# forward pass leaves saved (the hook), and the **peak** of the whole step,
+# which includes the recomputation - the backward rebuilds a segment's
+# activations before it can use them - and the gradients (MemTracker, and on
+# a GPU `max_memory_allocated`). The times come from the comparison protocol.
 
 # %%
-torch.manual_seed(0)
-blocks = nn.ModuleList(block(512) for _ in range(8))
-xc = torch.randn(256, 512)
+def checkpointed(blocks, every):
+    """The forward of blocks, checkpointing segments of `every` blocks (0: none)."""
+    size = every or len(blocks)
+    segments = [nn.Sequential(*blocks[i:i + size]) for i in range(0, len(blocks), size)]
 
-
-def forward(x, every):
-    if every == 0:
-        for b in blocks:
-            x = b(x)
+    def forward(x):
+        for seg in segments:
+            x = checkpoint(seg, x, use_reentrant=False) if every else seg(x)
         return x
-    for i in range(0, len(blocks), every):
-        seg = nn.Sequential(*blocks[i:i + every])
-        x = checkpoint(seg, x, use_reentrant=False)
-    return x
+    return forward
 
 
+def step_peak(forward, x, blocks):
+    """Peak bytes above the start while forward + backward run: MemTracker's
+    and, on a GPU, the allocator's."""
+    if x.is_cuda:  # a warm-up first: cuBLAS's workspace is not the step's memory
+        forward(x).sum().backward()
+        torch.cuda.synchronize(x.device)
+    blocks.zero_grad(set_to_none=True)
+    if x.is_cuda:
+        torch.cuda.reset_peak_memory_stats(x.device)
+        start = torch.cuda.memory_allocated(x.device)
+    tracker = MemTracker()
+    tracker.track_external(blocks, x)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[x.device]["Total"]
+        forward(x).sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[x.device]["Total"] - before
+    return peak, (torch.cuda.max_memory_allocated(x.device) - start
+                  if x.is_cuda else None)
+
+
+torch.manual_seed(0)
+blocks = nn.ModuleList(block(256) for _ in range(8))
+xc = torch.randn(512, 256)
+twins = [(blocks, xc)] + ([(copy.deepcopy(blocks).to(gpu), xc.to(gpu))] if gpu else [])
+MODES = {"no checkpointing": 0, "every block": 1, "every 4 blocks": 4}
 ckpt = {}
-for label, every in (("no checkpointing", 0), ("every block", 1), ("every 4 blocks", 4)):
-    saved_b, out = saved_activation_bytes(lambda every=every: forward(xc, every),
-                                          skip=list(blocks.parameters()))
-    t0 = time.perf_counter()
-    for _ in range(2):
-        forward(xc, every).sum().backward()
-    ckpt[label] = (saved_b, (time.perf_counter() - t0) / 2)
-    print(f"{label:18} saved {saved_b / 2**20:6.1f} MiB, forward + backward "
-          f"{format_seconds(ckpt[label][1])}")
-slow = ckpt["every 4 blocks"][1] / ckpt["no checkpointing"][1]
-print(f"verdict: {ckpt['no checkpointing'][0] / ckpt['every 4 blocks'][0]:.0f}x less "
-      f"saved, for {slow:.2f}x the time" + ("" if slow > 1 else
-                                            " (the machine was busy: run it again)"))
+for label, every in MODES.items():
+    saved_b, _ = saved_activation_bytes(lambda e=every: checkpointed(blocks, e)(xc),
+                                        skip=list(blocks.parameters()))
+    peaks = [step_peak(checkpointed(b, every), x, b) for b, x in twins]
+    ckpt[label] = (saved_b, peaks[0][0])
+    print(f"{label:16} saved by the forward {saved_b / 2**20:5.1f} MiB; peak of "
+          f"forward + backward {peaks[0][0] / 2**20:5.1f} MiB (MemTracker)" + (
+              f"; on the GPU {peaks[1][0] / 2**20:5.1f} MiB (MemTracker), "
+              f"{peaks[1][1] / 2**20:5.1f} MiB (max_memory_allocated)" if gpu else ""))
+timing = compare({label: lambda e=every: checkpointed(blocks, e)(xc).sum().backward()
+                  for label, every in MODES.items()}, repeats=3)
+print(timing)
+(s0, p0), (s4, p4) = ckpt["no checkpointing"], ckpt["every 4 blocks"]
+print(f"verdict: every 4 blocks saves {s0 / s4:.0f}x less in the forward, but the "
+      f"step's peak is only {p0 / p4:.1f}x lower: the backward recomputes a whole "
+      "4-block segment's activations, and the gradients come on top")
 
 # %% [markdown]
 # `torch.autograd.graph.save_on_cpu()` is the other trade: keep the saved
-# tensors but move them to (pinned) CPU memory until the backward pass needs
-# them. It runs on a CPU-only machine, but there the tensors are already on
-# the CPU: it saves nothing.
-#
+# tensors, but in CPU memory until the backward pass needs them. By default
+# that memory is ordinary pageable memory (`pin_memory=False` in torch 2.13's
+# `torch/autograd/graph.py`), so each copy blocks; `pin_memory=True` pins it
+# and makes the copies asynchronous. On a CPU the tensors are already there:
+# `tensor.cpu()` returns the tensor itself, and nothing changes. With a GPU,
+# the cell measures the peak that moving them out saves, and its time:
+
+# %%
+def saved_on_cpu(forward, pin):
+    def run(x):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return forward(x)
+    return run
+
+
+plain = checkpointed(blocks, 0)
+peak_cpu = step_peak(saved_on_cpu(plain, False), xc, blocks)[0]
+print(f"CPU: peak {peak_cpu / 2**20:.1f} MiB with save_on_cpu, "
+      f"{ckpt['no checkpointing'][1] / 2**20:.1f} MiB without: "
+      + ("the same - nothing moved" if peak_cpu == ckpt["no checkpointing"][1]
+         else "different"))
+if gpu:
+    blocks_g, x_g = twins[1]
+    plain_g = checkpointed(blocks_g, 0)
+    options = {"saved on the GPU": plain_g,
+               "save_on_cpu()": saved_on_cpu(plain_g, False),
+               "save_on_cpu(pin_memory=True)": saved_on_cpu(plain_g, True)}
+    for label, fwd in options.items():
+        tracked, allocated = step_peak(fwd, x_g, blocks_g)
+        print(f"GPU, {label:28}: peak {tracked / 2**20:5.1f} MiB (MemTracker), "
+              f"{allocated / 2**20:5.1f} MiB (max_memory_allocated)")
+    print(compare({label: lambda f=fwd: (f(x_g).sum().backward(),
+                                         torch.cuda.synchronize(gpu))
+                   for label, fwd in options.items()}, repeats=3))
+
+# %% [markdown]
 # ## 7. Offloading: swapping halves of a model
 #
 # Seed 002 trains a model too large for its GPU by keeping half of it in CPU
@@ -526,7 +723,8 @@ swapped = copy.deepcopy(full)
 data = [(torch.randn(16, 64), torch.randn(16, 64)) for _ in range(5)]
 opt_a = torch.optim.SGD(full.parameters(), lr=0.05)
 opt_b = torch.optim.SGD(swapped.parameters(), lr=0.05)
-tier = os.path.join(tempfile.mkdtemp(prefix="ch08_"), "half.pt")
+tier_dir = tempfile.TemporaryDirectory(prefix="ch08_")  # removed below
+tier = os.path.join(tier_dir.name, "half.pt")
 
 
 def offload(module):
@@ -542,29 +740,36 @@ def bring_back(module, state):
         p.data = state[name]
 
 
-t_resident = t_swapped = 0.0
 second_half = swapped[2:]
-for x_, y_ in data:
-    t0 = time.perf_counter()
+
+
+def resident_step(x_, y_):
     opt_a.zero_grad()
     nn.functional.mse_loss(full(x_), y_).backward()
     opt_a.step()
-    t_resident += time.perf_counter() - t0
-    t0 = time.perf_counter()
+
+
+def swapping_step(x_, y_):
     if second_half[0].weight.numel() == 0:
         bring_back(second_half, torch.load(tier, weights_only=True))
     opt_b.zero_grad()
     nn.functional.mse_loss(swapped(x_), y_).backward()
     opt_b.step()
     offload(second_half)
-    t_swapped += time.perf_counter() - t0
+
+
+for x_, y_ in data:
+    resident_step(x_, y_)
+    swapping_step(x_, y_)
 bring_back(second_half, torch.load(tier, weights_only=True))
 same = all(torch.equal(p, q) for p, q in zip(full.parameters(), swapped.parameters(),
                                              strict=True))
-print(f"weights equal to the resident run: {same}; time {format_seconds(t_resident)} "
-      f"resident, {format_seconds(t_swapped)} swapping ({t_swapped / t_resident:.1f}x)")
-if torch.cuda.is_available():  # the seed's swap for real, with the GPU's own counter
-    gpu = torch.device("cuda")
+print(f"weights equal to the resident run after {len(data)} steps: {same}")
+print(compare({"resident": lambda: resident_step(*data[0]),
+               "swapping through a file": lambda: swapping_step(*data[0])},
+              repeats=3))
+tier_dir.cleanup()  # nothing is left behind on disk
+if gpu:  # the seed's swap for real, with the GPU's own counter
     mse = nn.functional.mse_loss
 
     def halves():
@@ -645,20 +850,28 @@ for n_params_half in (half_bytes / 4, 3.5e9):
 # %% [markdown]
 # ## Summary
 #
-# - Exponent bits give range, mantissa bits precision: fp16 overflows at 65504
-#   and underflows below 6e-8; bf16 keeps fp32's range with 3 digits.
+# - Exponent bits give range, mantissa bits precision: fp16's largest value
+#   is 65504 (from 65520 up, values round to inf), and it rounds values below
+#   2^-25 (about 3e-8) to 0 (2^-24, about 6e-8, is its smallest subnormal);
+#   bf16 keeps fp32's range with 3 digits.
 # - Autocast runs matmuls in 16 bits and keeps sensitive ops in fp32, with
 #   fp32 master weights; fp16 needs a GradScaler (skips inf steps, adjusts the
 #   scale), bf16 does not.
+# - 16-bit formats are faster only on hardware that has them: read the CPU's
+#   capabilities (`torch.cpu.get_capabilities()`) or the GPU's compute
+#   capability (bf16 tensor cores and TF32 from 8.0) before expecting a gain.
 # - Training memory is 16 bytes per parameter with Adam, plus activations that
-#   grow with the batch; the saved-tensor hook counts them exactly, the
-#   profiler's `[memory]` events read the allocator (on a CPU, never
-#   `torch.cuda.memory_*`), the meta device counts a huge model - Adam's state
-#   included - without memory.
-# - TF32 (and oneDNN's bf16 path on CPUs) trade fp32 accuracy for speed; set
-#   it with one API only, as mixing the legacy and the new ones raises.
-# - Checkpointing recomputes to save activation memory; offloading moves
-#   tensors to a slower tier and pays the transfer every step.
+#   grow with the batch; the saved-tensor hook counts what autograd holds,
+#   MemTracker counts a whole step by category and its peak (on a GPU, beside
+#   `torch.cuda.max_memory_allocated`), the meta device counts a huge model -
+#   Adam's state included - without memory.
+# - TF32 (and oneDNN's bf16 path on CPUs with bf16 instructions) trade fp32
+#   accuracy for speed; where the hardware lacks them the switch does nothing.
+#   Set it with one API only, as mixing the legacy and the new ones raises.
+# - Checkpointing recomputes to save activation memory: the forward saves
+#   much less, but the step's peak falls less, as the backward recomputes a
+#   segment; `save_on_cpu` (pageable memory unless `pin_memory=True`) and
+#   offloading move tensors to a slower tier and pay the transfer every step.
 
 # %% [markdown]
 # ## Exercises
@@ -690,13 +903,24 @@ check_scaled_step(scaled_step)
 # %% [markdown]
 # ### Exercise 8.2: what the forward pass keeps
 #
-# Write `saved_bytes(model, x)`: the number of bytes of the tensors autograd
-# saves for the backward pass while `model(x)` runs.
+# Write `saved_bytes(model, x)`: the number of bytes autograd **packs** for
+# the backward pass while `model(x)` runs - every tensor the pack hook
+# receives, counted each time it is packed, parameters included. (That is
+# the traffic through the hook; section 5's count, what stays held, keeps
+# each storage once and leaves the parameters out.)
 
 # %% tags=["exercise"] exercise="8.2"
 def saved_bytes(model, x):
     ### BEGIN SOLUTION
-    total, _ = saved_activation_bytes(lambda: model(x))
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
     return total
     ### END SOLUTION
 
