@@ -338,6 +338,11 @@ def _judge(
         line = f"{name}: faster, {ratio:.2f}x ({why})"
         if max(base.busy_cores, other.busy_cores) < 0.5:
             line += ": mostly waiting, and the waits overlapped"
+        elif busy > 1.2 and cpu < 1.2 and other.busy_cores < 1.2:
+            line += (
+                f": it waited less, not on more cores ({base.label} kept only "
+                f"{base.busy_cores:.2f} cores busy: it waited for a core or I/O)"
+            )
         elif busy > 1.2 and cpu < 1.2:
             line += ": the gain came from more busy cores"
         elif cpu < 0.85 and busy < 1.2:
