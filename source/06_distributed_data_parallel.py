@@ -34,14 +34,14 @@
 # **Hardware.** Everything here runs for real on a laptop: the ranks are CPU
 # processes that talk through the `gloo` backend over the loopback network. With
 # a GPU for every rank, `torchrun` scripts use `nccl` with one GPU per rank, and
-# so does the notebook launcher as long as this notebook's own process has not
-# initialised CUDA (it prints the backend it chose, and why); the collective
-# timings are then recorded as reference results. With a single GPU, the two
-# ranks stay CPU processes with `gloo` (two ranks cannot share one GPU under
-# `nccl`), and the GPU is used where that is enough: the checkpoints of
-# section 7 are saved from it, and section 9 measures one rank on it with
-# `nccl`. Without GPUs, the timing cells show published and predicted GPU
-# figures beside the local ones, each labelled with its kind.
+# so does the notebook launcher (it prints the backend it chose), whatever this
+# notebook did with CUDA before; the collective timings are then measured on
+# the GPUs (and `make record` keeps them as reference results). With a single
+# GPU, the two ranks stay CPU processes with `gloo` (two ranks cannot share
+# one GPU under `nccl`), and the GPU is used where that is enough: the
+# checkpoints of section 7 are saved from it, and section 9 measures one
+# rank on it with `nccl`. Without GPUs, the timing cells show published and
+# predicted GPU figures beside the local ones, each labelled with its kind.
 
 # %%
 import atexit
@@ -105,7 +105,7 @@ banner();
 # returned, with its printed output.
 
 # %%
-gpus = torch.cuda.device_count()  # NVML's count: CUDA stays uninitialised here
+gpus = torch.cuda.device_count()  # 0 without a GPU
 
 
 def rank_device(rank):
@@ -137,15 +137,12 @@ print(f"starting the ranks took {STARTUP_S:.1f} s: demos below may take "
 # distributed PyTorch uses. Three more facts about the launcher, because they
 # matter in every chapter that uses it:
 #
-# - It **forks** the notebook's process, so functions defined in the notebook
-#   work. A forked process cannot use CUDA once the parent has initialised it,
-#   so this notebook's own process never touches CUDA: `course_utils` counts
-#   the GPUs through NVML (it sets `PYTORCH_NVML_BASED_CUDA_CHECK=1`), the
-#   banner reads their names with `nvidia-smi`, and every GPU tensor of this
-#   chapter lives in a rank. Should CUDA be initialised anyway (any `.cuda()` in
-#   a cell), the launcher keeps forked ranks on the CPU (gloo), spawns fresh
-#   interpreters for functions importable from a module, or refuses in one line
-#   when you ask for nccl. Its first line says which it did.
+# - Its ranks are forked from a **forkserver**: a server process started once,
+#   as a fresh interpreter with torch already imported, that never runs this
+#   notebook's cells. The function and its arguments are sent to the ranks by
+#   value (cloudpickle), so functions defined in the notebook work, and a rank
+#   can use its GPU with `nccl` even after this notebook has used CUDA. Its
+#   first line says which start method and backend it chose.
 # - It finds a free port on `127.0.0.1` for the ranks to meet at, and sets the
 #   same environment variables as `torchrun` does (below).
 # - It stops every rank on a timeout, when one rank fails, or when you press
@@ -353,8 +350,8 @@ print(f"torchrun took {time.perf_counter() - start:.1f} s in all")
 # environment variables, and with `init=False` it leaves `init_process_group` to
 # the script. Compare the two times: the training is identical, so the
 # difference is what it costs torchrun to start three fresh Python processes
-# (its agent and two workers) that each import torch. Forked ranks start with
-# torch already imported.
+# (its agent and two workers) that each import torch. The launcher's ranks
+# are forked from a server that imported torch once, before the first launch.
 
 # %%
 def run_script(rank, world_size, path):
@@ -730,8 +727,7 @@ def time_all_reduce(rank, world_size, repeats):
         times.sort()
         n = len(times)  # fastest, median, and the quartiles
         rows.append((size, times[0], times[n // 2], times[n // 4], times[3 * n // 4]))
-    if d.type == "cuda" and rank == 0:  # recorded here, so that this notebook's
-        # own process never initialises CUDA, and later launches can still fork
+    if d.type == "cuda" and rank == 0:  # recorded by the rank that measured it
         reference.record("06.allreduce_2gpu", [list(r) for r in rows],
                          "[bytes, fastest s, median s, quartiles s]", d,
                          note=f"2 ranks, nccl, {repeats} bursts per size")
