@@ -640,13 +640,15 @@ if on_gpu:
 # always coalesced; src costs 4 bytes when coalesced and a whole 32-byte sector
 # when scattered. Bandwidth in useful bytes = HBM bandwidth x useful / moved.
 moved = {"coalesced": 8 + 4 + 4, "stride 8": 8 + 4 + 32, "random": 8 + 4 + 32}
-hbm = predict.memory_bandwidth("h100_sxm")
+hbm = predict.achieved_memory_bandwidth("h100_sxm")  # calibrated: what copies reach
 gpu_gather = reference.predicted(
     {k: hbm * 16 / m / 1e9 for k, m in moved.items()}, "GB/s",
     predict.gpu_name("h100_sxm"),
-    "sector model: useful GB/s = HBM bandwidth x 16 useful / bytes moved per "
-    "element (16 coalesced, 44 scattered: 8 B index + 4 B output + one 32 B sector)",
-    ["h100_sxm.memory_bandwidth_gbps"])
+    "sector model: useful GB/s = achieved HBM bandwidth "
+    f"({predict.memory_efficiency():.0%} of the datasheet's) x 16 useful / bytes "
+    "moved per element (16 coalesced, 44 scattered: 8 B index + 4 B output + one "
+    "32 B sector)",
+    ["h100_sxm.memory_bandwidth_gbps", *predict.MEMORY_EFFICIENCY_INPUTS])
 shown = reference.show("01.gather_bandwidth", local=bandwidth, unit="GB/s",
                        local_device=device, figures=[gpu_gather])
 for f in shown:
@@ -836,7 +838,8 @@ shown = reference.show(
     figures=[reference.predicted(
         2.0, "x", "any NVIDIA GPU",
         "SIMT: a split warp runs both loops one after the other, and the loops are "
-        "almost all of the work, so the divergent layout takes twice as long")])
+        "almost all of the work, so the divergent layout takes twice as long "
+        "(uncalibrated: no published measurement of this kernel)")])
 ax = plots.plot_figure_bars([cpu_analogue] + shown, logy=False, fmt="{:.2f}x",
                             ylabel="divergent time / uniform time",
                             title="What a branch that splits the lanes costs")
@@ -976,7 +979,8 @@ _ = reference.show(
     "01.shared_memory_bandwidth", unit="TB/s",
     figures=[reference.predicted(
         a100_smem / 1e12, "TB/s", "NVIDIA A100",
-        "SMs x 32 banks x 4 bytes x boost clock",
+        "SMs x 32 banks x 4 bytes x boost clock: a peak, uncalibrated (no "
+        "published measurement in the calibration)",
         ["a100.sm_count", "a100.boost_clock_mhz"])])
 
 # %% [markdown]
@@ -1330,9 +1334,14 @@ if kernels_on_gpu:
                      "ms", device)
 n_mm = 2048
 floor = predict.roofline_seconds(2 * n_mm**3, 3 * 4 * n_mm**2, "h100_sxm", "fp32")
-floor = reference.predicted({"any kernel, at best": floor.value * 1e3}, "ms",
-                            floor.device, floor.measures,
-                            ["h100_sxm.fp32_tflops", "h100_sxm.memory_bandwidth_gbps"])
+likely = predict.kernel_seconds(2 * n_mm**3, 3 * 4 * n_mm**2, "h100_sxm", "fp32")
+floor = reference.predicted({"any kernel, at best": floor.value * 1e3,
+                             "cuBLAS, calibrated": likely.value * 1e3}, "ms",
+                            floor.device, floor.measures + "; calibrated: "
+                            f"{predict.matmul_efficiency():.0%} of peak, what large "
+                            "bf16 matmuls reach (not checked for fp32)",
+                            ["h100_sxm.fp32_tflops", "h100_sxm.memory_bandwidth_gbps",
+                             *predict.MATMUL_EFFICIENCY_INPUTS])
 for f in reference.show("01.matmul_2048_ms", unit="ms", local_device=device,
                         local={k: v * 1e3 for k, v in times.items()}
                         if kernels_on_gpu else None, figures=[floor]):
