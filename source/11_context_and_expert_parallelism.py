@@ -98,14 +98,14 @@ def plain_attention(q, k, v):
 
 HEADS, HEAD_DIM = 4, 32
 memory = {}
-for seq in (256, 512, 1024, 2048):
+for seq in (256, 512, 1024):
     q, k, v = (torch.randn(1, HEADS, seq, HEAD_DIM, requires_grad=True)
                for _ in range(3))
     memory[seq] = (saved_bytes(plain_attention, q, k, v),
                    saved_bytes(F.scaled_dot_product_attention, q, k, v))
     print(f"S = {seq:4d}: plain {format_bytes(memory[seq][0]):>9}, "
           f"SDPA {format_bytes(memory[seq][1]):>9} kept for the backward")
-grow = [memory[2048][i] / memory[1024][i] for i in (0, 1)]
+grow = [memory[1024][i] / memory[512][i] for i in (0, 1)]
 print(f"verdict: doubling S multiplied the plain formula's bytes by {grow[0]:.1f} "
       f"(the S x S matrices) and SDPA's by {grow[1]:.1f}")
 
@@ -162,7 +162,13 @@ def merge(out, lse, out_b, lse_b):
 
 # %%
 def contiguous(n):
+    """Rank r holds chunk r of N."""
     return [[r] for r in range(n)]
+
+
+def zigzag(n):
+    """Rank r holds chunks r and 2N - 1 - r of 2N (see the causal imbalance)."""
+    return [[r, 2 * n - 1 - r] for r in range(n)]
 
 
 def ring_attention(rank, world_size, q, k, v, causal, layout):
@@ -217,7 +223,8 @@ def unshard(outs, layout, world_size):
 
 # %% [markdown]
 # Four ranks, a sequence of 512 (4 heads of 32), causal and not, against one
-# process computing all of it with `F.scaled_dot_product_attention`:
+# process computing all of it with `F.scaled_dot_product_attention` (the same
+# launch also runs a third layout, zig-zag, which we come back to):
 
 # %%
 N_RING, SEQ = 4, 512
@@ -225,13 +232,17 @@ torch.manual_seed(0)
 q, k, v = (torch.randn(1, HEADS, SEQ, HEAD_DIM) for _ in range(3))
 
 
-def ring_both(rank, world_size, q, k, v):
-    return [ring_attention(rank, world_size, q, k, v, causal, contiguous)
-            for causal in (False, True)]
+RUNS = ((False, contiguous), (True, contiguous), (True, zigzag))
 
 
-results = launch(ring_both, N_RING, args=(q, k, v), timeout=60, echo=False)
+def ring_runs(rank, world_size, q, k, v):
+    return [ring_attention(rank, world_size, q, k, v, causal, layout)
+            for causal, layout in RUNS]
+
+
+results = launch(ring_runs, N_RING, args=(q, k, v), timeout=60, echo=False)
 ring = {causal: [r.value[causal] for r in results] for causal in (False, True)}
+zigzag_run = [r.value[2] for r in results]  # shown in the causal imbalance
 for causal in (False, True):
     got = unshard([r[0] for r in ring[causal]], contiguous, N_RING)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -264,20 +275,15 @@ print(f"the busiest rank does {imbalance(work):.2f}x the average: every step wai
 
 # %% [markdown]
 # Rank 0 computes at the first step and then idles; the last rank computes at
-# every step. The fix (zig-zag, or head-tail, sharding) cuts the sequence into `2N` chunks
-# and gives rank `r` chunk `r` *and* chunk `2N - 1 - r`: one early and one
-# late chunk each, so every rank gets the same mix. The ring code is
-# unchanged; only the layout differs:
+# every step. The fix (zig-zag, or head-tail, sharding) cuts the sequence into
+# `2N` chunks and gives rank `r` chunk `r` *and* chunk `2N - 1 - r`: one early
+# and one late chunk each, so every rank gets the same mix. The ring code is
+# unchanged; only the layout differs. The launch above already ran it, as its
+# third run:
 
 # %%
-def zigzag(n):
-    return [[r, 2 * n - 1 - r] for r in range(n)]
-
-
 print("chunks per rank:", zigzag(N_RING))
-results = launch(ring_attention, N_RING, args=(q, k, v, True, zigzag), timeout=60,
-                 echo=False)
-outs, balanced, _ = zip(*(r.value for r in results), strict=True)
+outs, balanced, _ = zip(*zigzag_run, strict=True)
 got = unshard(outs, zigzag, N_RING)
 want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 print(f"zig-zag: largest difference from one process {(got - want).abs().max():.1e}")
@@ -444,27 +450,38 @@ def moe_expert_parallel(rank, world_size, x_all, skew):
     return y.detach(), x.grad, router.weight.grad, mine, recv
 
 
-def compare_with_one_process(world_size, x, skew=0.0):
-    router, experts = make_moe()
-    x1 = x.clone().requires_grad_()
-    y1 = moe_one_process(x1, router, experts, skew)
-    (y1 ** 2).sum().backward()
-    ranks = [r.value for r in launch(moe_expert_parallel, world_size,
-                                     args=(x, skew), timeout=60, echo=False)]
-    y, dx = torch.cat([r[0] for r in ranks]), torch.cat([r[1] for r in ranks])
-    diffs = [(y - y1).abs().max(), (dx - x1.grad).abs().max(),
-             (ranks[0][2] - router.weight.grad).abs().max()]
-    for r in ranks:
-        for e, grads in r[3].items():
-            diffs += [(g - p.grad).abs().max() for g, p in
-                      zip(grads, experts[e].parameters(), strict=True)]
-    return max(d.item() for d in diffs), [r[4] for r in ranks]
+def moe_runs(rank, world_size, x_all, skews):
+    return [moe_expert_parallel(rank, world_size, x_all, skew) for skew in skews]
+
+
+def compare_with_one_process(world_size, x, skews=(0.0,)):
+    """Per skew: the largest difference from one process, and rows received."""
+    ranks = [r.value for r in launch(moe_runs, world_size, args=(x, skews),
+                                     timeout=60, echo=False)]
+    found = []
+    for i, skew in enumerate(skews):
+        router, experts = make_moe()
+        x1 = x.clone().requires_grad_()
+        y1 = moe_one_process(x1, router, experts, skew)
+        (y1 ** 2).sum().backward()
+        run = [r[i] for r in ranks]
+        y, dx = torch.cat([r[0] for r in run]), torch.cat([r[1] for r in run])
+        diffs = [(y - y1).abs().max(), (dx - x1.grad).abs().max(),
+                 (run[0][2] - router.weight.grad).abs().max()]
+        for r in run:
+            for e, grads in r[3].items():
+                diffs += [(g - p.grad).abs().max() for g, p in
+                          zip(grads, experts[e].parameters(), strict=True)]
+        found.append((max(d.item() for d in diffs), [r[4] for r in run]))
+    return found
 
 
 torch.manual_seed(2)
 tokens = torch.randn(30, WIDTH)
+moe = {2: compare_with_one_process(2, tokens),
+       3: compare_with_one_process(3, tokens, skews=(0.0, 3.0))}  # 3.0: see below
 for n in (2, 3):
-    worst, received = compare_with_one_process(n, tokens)
+    worst, received = moe[n][0]
     print(f"{n} ranks, {N_EXPERTS // n} experts each: largest difference from one "
           f"process (output and every gradient) {worst:.1e}; token rows each rank "
           f"received from ranks 0..{n - 1}: {received}")
@@ -482,12 +499,11 @@ for n in (2, 3):
 # however many arrive:
 
 # %%
-for skew in (0.0, 3.0):
-    if skew:
-        _, received = compare_with_one_process(3, tokens, skew)
-    load = [sum(r) for r in received]  # skew 0: the 3-rank run above
+for skew, (worst, received) in zip((0.0, 3.0), moe[3], strict=True):
+    load = [sum(r) for r in received]  # the 3-rank launch above ran both
     print(f"skew {skew}: rows received per rank {load} (of {TOP_K * len(tokens)}); "
-          f"busiest / average {imbalance(load):.2f}")
+          f"busiest / average {imbalance(load):.2f}; still equal to one process "
+          f"({worst:.1e})")
 
 # %% [markdown]
 # Two remedies, which change different things:
