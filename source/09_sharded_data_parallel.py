@@ -327,12 +327,13 @@ def train_rank(rank, world_size, width, depth, steps):
         trainer = AllReduceDDP(model) if stage == 0 else Zero(model, stage)
         for _ in range(steps):
             trainer.step(x, y)
+        log = list(trainer.log)  # the last step's collectives
         if stage == 3:  # whole weights, to compare them
             for p in model.parameters():
                 trainer.unshard(p)
         results[stage] = {
             "weights": [p.detach().cpu().clone() for p in model.parameters()],
-            "log": list(trainer.log),
+            "log": log,
             "shard elements": [s.numel() for s in getattr(trainer, "shards", [])],
             "state elements": sum(v.numel() for st in trainer.opt.state.values()
                                   for v in st.values() if v.dim() > 0)}
@@ -459,9 +460,9 @@ print(f"the same numbers on both ranks: {same}; DDP > ZeRO-1 > ZeRO-2 > ZeRO-3: 
 # adds the shard buffers to the whole gradients; ZeRO-2 and ZeRO-3 keep only
 # the buffers and one full gradient in flight. **Optimizer state**: Adam's
 # two moments (DDP's figure also holds the update's scratch tensors), halved
-# by every ZeRO stage. Activations and temporaries are the padded copies
-# that a reduce-scatter sends, filed by when they were made: after backward
-# (ZeRO-1) or during it.
+# by every ZeRO stage. Activations and temporaries hold what lives briefly -
+# the padded copies a reduce-scatter sends, the layer outputs - filed by
+# when they were made: in forward, or in backward.
 #
 # **torch DDP** holds a model's worth more than DDP by hand: it copies the
 # gradients into **buckets** - flat buffers of about 25 MiB that it
@@ -935,7 +936,7 @@ if GPUS >= 2:
 else:
     print(f"{GPUS} GPU(s): nothing measured on a GPU here")
 reference.show("09.fsdp2_8x1024_peak_bytes_2gpus", unit="B", figures=[
-    reference.predicted(2 * (1024 * 1024 + 1024) * 8 * 16 / 2 / 2,
+    reference.predicted((1024 * 1024 + 1024) * 8 * 16 / 2,
                         "B", "2 GPUs, any kind",
                         "model states only: 16 bytes per parameter (fp32 weight, "
                         "gradient, Adam's 2 moments), sharded over 2 ranks")],
