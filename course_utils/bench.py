@@ -123,7 +123,9 @@ def bench(
     ``torch.utils.benchmark`` then picks how many calls make one run, repeats
     runs for at least ``min_run_time`` seconds, waits for the GPU around every
     run, and gives the median and interquartile range. ``num_threads`` defaults
-    to torch's current thread count and is stated in the result.
+    to torch's current thread count and is stated in the result. The GPU it
+    waits for is the *current* one (``torch.accelerator.synchronize()``): time
+    work on another GPU inside ``with torch.cuda.device(i):``.
     """
     for _ in range(warmup):
         fn(*args, **kwargs)
