@@ -290,7 +290,7 @@ def in_flight(rank, done, p):
     return kinds.count("F") - kinds.count("B")
 
 
-def gpipe(op, rank, done, p, m, v):
+def gpipe_policy(op, rank, done, p, m, v):
     forwards_done = sum(1 for (kind, i, k) in done if kind == "F" and k % p == rank)
     return op[0] == "F" or forwards_done == m * v
 
@@ -307,9 +307,9 @@ def bubble(spans):
 
 print(" p   m   GPipe   1F1B  interleaved v=2   formula (p-1)/(m+p-1)")
 for p, m in ((2, 1), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)):
-    print(f"{p:2d} {m:3d}  {bubble(simulate(p, m, gpipe)):6.3f} "
+    print(f"{p:2d} {m:3d}  {bubble(simulate(p, m, gpipe_policy)):6.3f} "
           f"{bubble(simulate(p, m, one_f_one_b_policy)):6.3f}  "
-          f"{bubble(simulate(p, m, gpipe, v=2)):6.3f} (p-1)/(vm+p-1) = "
+          f"{bubble(simulate(p, m, gpipe_policy, v=2)):6.3f} (p-1)/(vm+p-1) = "
           f"{(p - 1) / (2 * m + p - 1):.3f}    {(p - 1) / (m + p - 1):.3f}")
 
 # %% [markdown]
@@ -328,9 +328,10 @@ def draw_schedules(p=4, m=8, v=2):
     fig, axes = plt.subplots(3, 1, figsize=(9, 1.0 * p * 3 + 1.5), sharex=True)
     lanes = [f"rank {r}" for r in range(p)]
     for ax, (name, spans) in zip(axes, (
-            ("GPipe", simulate(p, m, gpipe)),
+            ("GPipe", simulate(p, m, gpipe_policy)),
             ("1F1B", simulate(p, m, one_f_one_b_policy)),
-            (f"interleaved GPipe, v={v}", simulate(p, m, gpipe, v=v))), strict=True):
+            (f"interleaved GPipe, v={v}", simulate(p, m, gpipe_policy, v=v))),
+            strict=True):
         plot_timeline(spans, ax=ax, unit="s", lanes=lanes,
                       title=f"{name}: bubble {bubble(spans):.0%}")
         ax.set_xlabel("time (forward = 1 unit, backward = 2)")
@@ -562,7 +563,7 @@ def report(step, m, p):
 
 
 M_SWEEP, P = [1, 2, 4, 8], 2
-plans = {f"GPipe m={m}": (m, orders(simulate(P, m, gpipe), P)) for m in M_SWEEP}
+plans = {f"GPipe m={m}": (m, orders(simulate(P, m, gpipe_policy), P)) for m in M_SWEEP}
 plans["1F1B m=8"] = (8, orders(simulate(P, 8, one_f_one_b_policy), P))
 groups = [[f"GPipe m={m}" for m in M_SWEEP], ["GPipe m=8", "1F1B m=8"]]
 STEPS = 6  # steps a run: runs long enough for the CPU counters to judge
@@ -689,7 +690,7 @@ print(ranks[0].value[0][1])
 
 # %%
 P4, M4 = 4, 8
-plans4 = {"GPipe": (M4, orders(simulate(P4, M4, gpipe), P4)),
+plans4 = {"GPipe": (M4, orders(simulate(P4, M4, gpipe_policy), P4)),
           "1F1B": (M4, orders(simulate(P4, M4, one_f_one_b_policy), P4))}
 ranks4 = launch(run_pipeline, P4, args=(plans4, [list(plans4)], 3, 1), timeout=120)
 for name in plans4:
