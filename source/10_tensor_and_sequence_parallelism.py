@@ -499,9 +499,10 @@ for change, (shape, counts) in results["redistribute"]["changes"].items():
 # What the plan did to the first query projection, and the losses:
 
 # %%
-shape, placements, local = results["wq"]
-print(f"layers[0].attn.wq.weight: global {shape}, placements {placements}, "
-      f"local {local} on each of {len(runs)} ranks")
+for r in runs:
+    shape, placements, local = r.value["wq"]
+    print(f"rank {r.rank}: layers[0].attn.wq.weight global {shape}, "
+          f"placements {placements}, local {local}")
 one_loss = results["one process"][0]
 for name in ("TP", "TP+SP", "TP+loss_parallel"):
     print(f"{name:17s} loss {results[name][0]:.6f} (one process "
