@@ -31,15 +31,17 @@ from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import call_learner, fail, passed, require_solution
 
 TIMEOUT_S = 60  # a rank that waits longer waits for a collective nobody else calls
+DTENSOR_TIMEOUT_S = 180  # DTensor launches: seconds of CPU, far more on a busy machine
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple) -> list:
+def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
+         timeout: float | None = None) -> list:
     """Launch ``rank_fn`` on ``world_size`` gloo ranks; a failure becomes a message."""
     try:
         return [r.value for r in launch(rank_fn, world_size, args=args,
-                                        timeout=TIMEOUT_S, backend="gloo",
-                                        echo=False)]
+                                        timeout=timeout or TIMEOUT_S,
+                                        backend="gloo", echo=False)]
     except RankFailed as e:
         first = str(e).splitlines()[0]
         fail(exercise, "every rank to finish", first[:200],
@@ -479,7 +481,7 @@ def judge_plan(per_mode: dict) -> None:
 
 
 def _check_plan_answers(fns: list) -> list[dict]:
-    ranks = _run("10.2", _plan_rank, 2, (fns,))
+    ranks = _run("10.2", _plan_rank, 2, (fns,), DTENSOR_TIMEOUT_S)
     return ranks[0]
 
 
@@ -610,7 +612,7 @@ def _counts_rank(rank: int, world_size: int) -> dict:
 @functools.lru_cache(maxsize=1)
 def measured_counts() -> dict:
     """{(depth, sp, lp): (step counts, forward counts)}, measured once on 2 ranks."""
-    return _run("10.3", _counts_rank, 2, ())[0]
+    return _run("10.3", _counts_rank, 2, (), DTENSOR_TIMEOUT_S)[0]
 
 
 def _as_counts(ex: str, got, case: str) -> dict[str, int]:
