@@ -270,18 +270,26 @@ class _Watchdog:
 READY_KEY = "course_utils.dist/connected"
 
 
-def _wait_for_all_connected(world_size: int, timeout: float) -> None:
+def _wait_for_all_connected(rank: int, world_size: int, timeout: float) -> None:
     """Return once every rank has its process group, through the rendezvous store.
 
     Without it a rank whose function returns at once tears its process group
     down while a slower rank may still be connecting to it ("Connection closed
-    by peer" in gloo's connectFullMesh).
+    by peer" in gloo's connectFullMesh). Rank 0 hosts the store, so it leaves
+    last: only once every other rank has seen that all are connected.
     """
+    if world_size == 1:
+        return
     store = dist.distributed_c10d._get_default_store()
-    if store.add(READY_KEY, 1) >= world_size:  # the last to connect says so
+    wait = timedelta(seconds=timeout)
+    if store.add(READY_KEY, 1) == world_size:  # the last to connect says so
         store.set(READY_KEY + "/all", "1")
-    else:
-        store.wait([READY_KEY + "/all"], timedelta(seconds=timeout))
+    if rank == 0:
+        store.wait([READY_KEY + "/seen"], wait)
+        return
+    store.wait([READY_KEY + "/all"], wait)
+    if store.add(READY_KEY + "/seen_by", 1) == world_size - 1:
+        store.set(READY_KEY + "/seen", "1")
 
 
 def _rank_main(payload: bytes) -> None:
@@ -324,7 +332,7 @@ def _rank_main(payload: bytes) -> None:
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout),
                                     device_id=device)
-            _wait_for_all_connected(world_size, timeout)
+            _wait_for_all_connected(rank, world_size, timeout)
         result["value"] = _to_plain(fn(rank, world_size, *args))
         data = cloudpickle.dumps(result)  # fail here, in the rank, if it cannot
     except SystemExit as e:  # sys.exit(0) or sys.exit() is a normal end
