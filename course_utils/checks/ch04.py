@@ -105,9 +105,12 @@ def _run_with_timeout(ex, fn, args, seconds):
 def _children_gone(timeout=5.0) -> list:
     deadline = time.monotonic() + timeout
     while True:
+        # multiprocessing's own servers stay by design (the course's pools start
+        # their workers from a forkserver); their workers must not
         left = [p for p in psutil.Process().children(recursive=True)
                 if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                and "resource_tracker" not in " ".join(p.cmdline())]
+                and not any(server in " ".join(p.cmdline()) for server in
+                            ("resource_tracker", "multiprocessing.forkserver"))]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
