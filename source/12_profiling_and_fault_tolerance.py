@@ -141,11 +141,10 @@ print(results[0].value)
 # `course_utils.traces.merge_traces` does it (each rank becomes a process
 # named `rank r`); `save_trace` writes a file that Perfetto
 # (https://ui.perfetto.dev) or `chrome://tracing` opens. On several machines
-# the clocks can differ by more than a collective lasts: align the traces on one
-# collective that all ranks leave at about the same moment before reading
-# them.
-# Below, the last profiled step of each rank: the main thread's spans, and
-# the all-reduces on gloo's threads.
+# the clocks can differ by more than a collective lasts: align the traces on
+# one collective that all ranks leave at about the same moment before
+# reading them. Below, the last profiled step of each rank: the main
+# thread's spans, and the all-reduces on gloo's threads.
 
 # %%
 merged = traces.merge_traces(files)
@@ -174,8 +173,9 @@ print("\n".join(verdicts))
 # %% [markdown]
 # Read it as Chapter 6 taught: the all-reduces start while the backward is
 # still running (a bucket is sent as soon as its gradients are ready; the
-# lines under the plot count them), and the optimizer waits for the last one. On two CPU
-# cores the ranks' threads also compete for the cores, so spans stretch; on
+# lines under the plot count them), and the optimizer waits for the last
+# one. On two CPU cores the ranks' threads also compete for the cores, so
+# spans stretch; on
 # GPUs, NCCL's kernels run on a stream of their own and the overlap is
 # cleaner. With a GPU, the trace also holds the kernels
 # (`ncclDevKernel_AllReduce...` on a CUDA stream): the `nccl:all_reduce`
@@ -235,6 +235,10 @@ held = {c: round(float(v), 1) for c, v in zip(CATEGORIES, mib[peak], strict=True
         if v >= 0.05}
 params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 print(f"peak {mib[peak].sum():.1f} MiB at {ms[peak]:.0f} ms: {held}")
+if held.get("gradient") and held.get("optimizer state"):  # during opt.step()
+    print(f"the peak is inside opt.step() (gradients and moments both held); "
+          f"'parameter' there is {mib[peak, 0] - params:.1f} MiB above the model's "
+          "parameters: temporaries of the update, labelled by inference")
 print(f"parameters by the timeline {mib[-1, 0]:.2f} MiB, counted from the model "
       f"{params:.2f} MiB: {'equal' if abs(mib[-1, 0] - params) < 0.01 else 'differ'}")
 print(f"optimizer state at the end {mib[-1, 1]:.2f} MiB = "
@@ -244,6 +248,10 @@ print(f"optimizer state at the end {mib[-1, 1]:.2f} MiB = "
 # Read the steps: the parameters sit at the bottom all along; activations
 # grow during each forward and are freed by the backward, which creates the
 # gradients; Adam's two moments appear at the first `opt.step()` and stay.
+# The categories are inferred from the autograd graph and the optimizer, not
+# declared by anyone, so read the odd label with care: a temporary of the
+# update can be counted as a parameter, as the lines above show when it
+# happens.
 #
 # **On a GPU** the allocator itself keeps a history: every allocation and free
 # with its Python stack. Record it, take a snapshot, and drop the pickle on
@@ -405,7 +413,7 @@ except (LaunchTimeout, RankFailed) as e:
 # | symptom | tool | what it tells |
 # | --- | --- | --- |
 # | job silent, GPUs busy at 100 % | flight recorder dumps | the first sequence number where ranks disagree |
-# | a collective raises on one rank | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | both ranks' operation and shapes, at once |
+# | a collective times out, the error says nothing of why | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | both ranks' operation and shapes, at once |
 # | one rank slow to arrive | `monitored_barrier` | which rank is late |
 # | job silent for ever | process-group `timeout` | turns a hang into an error |
 # | hang in Python, not in a collective | `py-spy dump`, `faulthandler` | each rank's stack |
