@@ -720,8 +720,9 @@ print("bf16 compute:", o["bf16 dtypes"][0], "shards,", o["bf16 dtypes"][1], "out
       "largest weight difference from fp32 after 3 steps "
       f"{max((a - b).abs().max().item() for a, b in zip(o['bf16'], o['fp32'], strict=True)):.1e}")
 print("CPU offload,", o["offload"][:90])
-print("CPU offload, not pinned: ran; the shards stay on", o["offload unpinned"],
-      "- on a CPU-only machine there is nothing to offload from")
+print("CPU offload, not pinned: ran; the shards live on", o["offload unpinned"],
+      "(each block is copied to the GPU when it runs)" if GPUS >= 2 else
+      "- the ranks run on the CPU, so there is nothing to offload from")
 print(f"optimizer built before fully_shard: the weights moved by "
       f"{o['early optimizer moved']:.1e} in 3 steps")
 sharded_type, sharded_shape, full = o["state dicts"]
