@@ -125,8 +125,21 @@ def via_split(q, k, v, block, causal=False):  # tensor.split, masks by offsets
     return out
 
 
+def via_index_select(q, k, v, block, causal=False):  # blocks copied out, not viewed
+    out = torch.zeros_like(q)
+    lse = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    for a in range(0, k.shape[2], block):
+        keys = torch.arange(a, min(a + block, k.shape[2]))
+        mask = torch.arange(q.shape[2])[:, None] >= keys if causal else None
+        o, l2 = _partial(q, k.index_select(2, keys), v.index_select(2, keys), mask)
+        new = torch.logaddexp(lse, l2)
+        out = out * (lse - new).exp() + o.nan_to_num(0.0) * (l2 - new).exp()
+        lse = new
+    return out
+
+
 @pytest.mark.parametrize("fn", [online_softmax, lse_with_where, reverse_blocks,
-                                TiledAttention(), via_split])
+                                TiledAttention(), via_split, via_index_select])
 def test_right_blockwise_pass(fn):
     ch11.check_blockwise_attention(fn)
 
@@ -225,7 +238,19 @@ def test_wrong_blockwise_fail():
             cache["out"] = via_split(q, k, v, block, causal)
         return cache["out"]
 
+    def query_blocks_all_keys(q, k, v, block, causal=False):
+        rows = []
+        for i in range(0, q.shape[2], block):
+            qi = q[:, :, i:i + block]
+            mask = None
+            if causal:
+                mask = torch.arange(i, i + qi.shape[2])[:, None] >= torch.arange(
+                    k.shape[2])
+            rows.append(_partial(qi, k, v, mask)[0])
+        return torch.cat(rows, dim=2)
+
     fails(check, library, "all 37 keys at once", "never (S x S)")
+    fails(check, query_blocks_all_keys, "all 37 keys at once")
     fails(check, averaged, "log-sum-exp rule")
     fails(check, unscaled, "1 / sqrt(d)")
     fails(check, drops_last, "keys are missing")

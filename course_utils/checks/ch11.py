@@ -100,9 +100,10 @@ class _Watch(TorchDispatchMode):
                 continue  # not k or v, or a view of it
             if len(long) == 1 and all(o.shape == t.shape for o in outs):
                 self.keys |= {_storage(o) for o in outs}  # a copy or cast: follow it
-            else:
+            elif any(max(o.shape, default=0) >= self.limit for o in outs):
                 self.big = (name, f"all {self.limit} keys at once, shape "
                                   f"{tuple(t.shape)}")
+            # else it took a block out of k or v (index_select, say): fine
         for t in outs:
             if sum(1 for n in t.shape if n >= self.limit) >= 2:
                 self.big = (name, f"a tensor of shape {tuple(t.shape)}")
