@@ -383,11 +383,13 @@ def compare(
     warm-up so that a run lasts ``min_run_s`` (the machine's CPU counters tick
     every 10 ms). A function whose work runs in processes this one does not
     wait for returns ``{"cpu_s": seconds}`` for them. The CPU seconds of this
-    process's child processes (a pool kept alive, ranks still running) count
-    without that, and so do those of ``processes``, ids of other processes
-    that work for the options. ``tolerance`` is the relative difference below
-    which two times count as equal; ``quiet_cores`` how many cores other
-    programs may use during a run before it is set aside.
+    process's child processes (a pool kept alive, ranks still running, or
+    children it waited for) count without that, and so do those of
+    ``processes``, ids of other processes that work for the options; a
+    grandchild that ends during a run (a forkserver's worker, the launcher's
+    ranks) leaves no trace here and must be reported. ``tolerance`` is the
+    relative difference below which two times count as equal; ``quiet_cores``
+    how many cores other programs may use during a run before it is set aside.
     """
     if not options:
         raise ValueError("compare() needs at least one option")
