@@ -249,8 +249,22 @@ for key in ("h100_sxm.fp32_tflops", "h100_sxm.bf16_tensor_dense_tflops",
     f = reference.published(key)
     print(f"  {f.value:>7} {f.unit}  [{f.label}]")
 ratio = predict.peak_flops("h100_sxm", "bf16") / predict.peak_flops("h100_sxm", "fp32")
-print(f"peak bf16 / fp32 on an H100: {ratio:.1f}x (datasheet peaks; real models gain "
-      "less, as not every operation is a matmul)")
+print(f"peak bf16 / fp32 on an H100: {ratio:.1f}x (datasheet peaks: what one large "
+      "matmul can gain at most, not a training speed-up)")
+lo, hi = predict.mixed_precision_speedup("h100_sxm", "bf16", "fp32")
+print(f"predicted training speed-up on an H100, fp32 to bf16: between {lo:.0f}x "
+      f"(memory-bound work moves half the bytes) and {hi:.1f}x (tensor-core math "
+      "only) [model: predict.mixed_precision_speedup, from the peaks above]")
+for gpus in (1, 8):
+    amp = reference.published(f"dle_rn50.dgxa100_amp_{gpus}gpu_ips")
+    tf32 = reference.published(f"dle_rn50.dgxa100_tf32_{gpus}gpu_ips")
+    print(f"published: ResNet-50 training on {gpus} A100, TF32 to mixed precision: "
+          f"{amp.value / tf32.value:.2f}x [{amp.label}]")
+a_lo, a_hi = predict.mixed_precision_speedup("a100_sxm_80gb", "bf16", "tf32")
+print(f"caveat: for that A100 setup the same bounds are {a_lo:.0f}x and {a_hi:.0f}x, "
+      "below the measured speed-ups (TF32 kernels reach less of their peak than "
+      "16-bit ones); the bounds are a guide within 2x, not a prediction within "
+      "25 % (python -m course_utils.predict --calibration)")
 
 # %% [markdown]
 # ## 3. Why fp16 needs a gradient scaler
@@ -843,7 +857,8 @@ else:
           "returns 0 without an error: never read it without a GPU)")
 half_bytes = sum(p.numel() * 4 for p in full[2:].parameters())
 for n_params_half in (half_bytes / 4, 3.5e9):
-    f = predict.copy_seconds(8 * n_params_half, "pcie4_x16", "a GPU on PCIe 4.0 x16")
+    f = predict.calibrated_copy_seconds(8 * n_params_half, "pcie4_x16",
+                                        "a GPU on PCIe 4.0 x16")
     print(f"  moving a half of {n_params_half:.3g} fp32 parameters in and out: "
           f"{format_seconds(f.value)} per step [{f.label}]")
 
