@@ -12,8 +12,9 @@ that choice when it is first imported, so import course_utils before numba.
 import os
 
 # Ask NVML, not the CUDA driver, whether there is a GPU: the driver's answer
-# initialises CUDA in this process, after which forked worker processes
-# (Chapters 3, 6) could not use the GPU.
+# initialises CUDA in this process. The launcher's forkserver imports
+# course_utils before it forks the ranks, so importing it must leave CUDA
+# alone, or the ranks could not use their GPUs (nccl).
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 from course_utils.devices import (  # noqa: E402
