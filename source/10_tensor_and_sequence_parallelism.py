@@ -670,9 +670,8 @@ for tp, link, gpu, math in ((8, "nvlink_h100", "h100_sxm", "bf16"),
 # Inside the H100 node the collectives cost a fraction of the (ideal)
 # compute, and real systems overlap part of them with it; across nodes they
 # cost several times the compute, and nothing can hide that. On two T4s the
-# ratio is small only because their compute is slow (and this layer's
-# training state would not fit their 16 GB): the faster the GPU, the more
-# its links matter. Published results at scale:
+# ratio is small only because their compute is slow: the faster the GPU,
+# the more its links matter. Published results at scale:
 
 # %%
 for key in ("megatron_2019.scaling_efficiency_512_gpus",
