@@ -111,7 +111,7 @@ def start_process():
 
 def start_pool(workers):
     def create_map_close():
-        with pool(workers) as p:
+        with pool(workers, method="fork") as p:  # forked: children of this process
             p.map_async(abs, range(workers)).get(timeout=60)
     return create_map_close
 
@@ -282,7 +282,7 @@ def run_serial(data, parts):
 
 
 def run_pool(data, parts):
-    with pool(parts) as p:
+    with pool(parts, method="fork") as p:
         return np.concatenate(p.map_async(square_loop,
                                           np.array_split(data, parts)).get(60))
 
