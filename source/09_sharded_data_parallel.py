@@ -893,15 +893,15 @@ print(f"[capacity: {h100.label}]")
 # alone stops helping there; activation checkpointing (Chapter 8), bf16
 # activations, and splitting the sequence or the layers (Chapters 10 and 11)
 # take over. The prediction leaves out what a real GPU adds: the caching
-# allocator's slack, CUDA and NCCL workspaces. PyTorch's FSDP2 notes report
-# that on 8 H100s training Llama-7B it peaks 7% lower than FSDP1:
+# allocator's slack, CUDA and NCCL workspaces. torchtitan's FSDP2 notes
+# report that on some Llama-7B runs on 8 H100s it peaked 7% lower than FSDP1:
 
 # %%
 note = reference.published("torchtitan.fsdp2_vs_fsdp1_peak_memory_reduction_percent")
 print(f"FSDP2 vs FSDP1 peak memory: -{note.value}% [{note.label}]")
 
 # %% [markdown]
-# With GPUs, the small FSDP2 model of section 4 runs on them here: the
+# With GPUs, an FSDP2 model of 8 layers of width 1024 runs on them here: the
 # allocator's peak (`torch.cuda.max_memory_allocated`) beside the tracker's
 # count of the same step - the difference is the allocator's rounding and
 # its workspaces. It is recorded for learners without a GPU.
@@ -1022,7 +1022,8 @@ check_sharded_linear(ShardedLinear)
 # is a list of `N` dictionaries, one per rank: for each name, that rank's
 # slice of the flattened tensor, zero-padded to a multiple of `N` (as
 # `my_shard` cuts it), plus Adam's `"step"` - a scalar tensor every rank
-# holds whole. `shapes` gives each sharded tensor's full shape. Write
+# holds whole (so does any name that `shapes` leaves out). `shapes` gives
+# each sharded tensor's full shape. Write
 # `reshard_checkpoint(shards, shapes, new_world_size)`: the list of
 # `new_world_size` dictionaries that ranks of the new world would load,
 # sliced and padded the same way, with the same dtypes and values.
@@ -1055,10 +1056,10 @@ check_reshard_checkpoint(reshard_checkpoint)
 # owns parameters of its own (an output layer after the blocks) when
 # `root_params` is True. Every `fully_shard` call gets the same
 # `reshard_after_forward`: True, False, or None - left out, FSDP2's default
-# (read its docstring: `help(fully_shard)`). Predict how many all-gathers and
-# reduce-scatters one forward and backward dispatches, on 2 ranks, and return
-# `(all_gathers, reduce_scatters)`. The checker runs FSDP2 on such models and
-# counts.
+# (read its docstring: `help(torch.distributed.fsdp.fully_shard)`). Predict
+# how many all-gathers and reduce-scatters one forward and backward
+# dispatches, on 2 ranks, and return `(all_gathers, reduce_scatters)`. The
+# checker runs FSDP2 on such models and counts.
 
 # %% tags=["exercise"] exercise="9.3"
 def predict_collectives(blocks, root_params, reshard_after_forward):
