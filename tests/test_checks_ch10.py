@@ -643,3 +643,19 @@ def test_counts_wrong_answers_fail_with_their_mistake(fn):
 
 def test_counts_placeholder():
     assert "placeholder" in rejected(ch10.check_predicted_counts, placeholder)
+
+
+# ------------------------------------------------------- the chapter's prediction
+
+def test_tp_layer_comm_prediction_counts_the_ring_bytes():
+    from course_utils import predict
+
+    nbytes = 2048 * 12288 * 2
+    nvlink = predict.tp_layer_comm_seconds(2048, 12288, 8, "nvlink_h100")
+    ib = predict.tp_layer_comm_seconds(2048, 12288, 16, "ndr_infiniband")
+    assert nvlink.kind == ib.kind == "predicted"
+    assert nvlink.value == pytest.approx(4 * 2 * 7 / 8 * nbytes / 450e9)
+    assert ib.value == pytest.approx(4 * 2 * 15 / 16 * nbytes / 50e9)
+    assert "ConnectX-7" in ib.label and "H100" in nvlink.label
+    with pytest.raises(ValueError):
+        predict.tp_layer_comm_seconds(2048, 12288, 1)
