@@ -650,13 +650,16 @@ print(f"[{compute.label}]\n[{transfer.label}]")
 # shrink that way: every token travels twice per layer, which is why
 # DeepSeek-V3's authors worked to overlap it with computation almost entirely
 # (their README says so of cross-node MoE training). Predicted for one
-# MoE layer's dispatch on 8 H100s, each GPU sending `(N-1)/N` of its `T k` rows
-# of width 7168 in bf16, top-8 routing:
+# MoE layer's dispatch on 8 H100s with DeepSeek-V3's shapes, each GPU sending
+# `(N-1)/N` of its `T k` rows in bf16:
 
 # %%
+shapes = reference.published("deepseek_v3.experts_per_token")
+top_k, width = shapes.value, shapes.extra["hidden_size"]
+print(f"top-{top_k} routing, width {width}  [{shapes.label}]")
 for tokens_per_gpu in (4096, 16384):
-    rows = tokens_per_gpu * 8 * (N_GPU - 1) / N_GPU
-    f = predict.exchange_seconds(rows * 7168 * 2, N_GPU - 1, "nvlink_h100",
+    rows = tokens_per_gpu * top_k * (N_GPU - 1) / N_GPU
+    f = predict.exchange_seconds(rows * width * 2, N_GPU - 1, "nvlink_h100",
                                  "8 x H100 SXM, NVLink")
     print(f"{tokens_per_gpu} tokens per GPU: dispatch {f.value * 1e3:.2f} ms per "
           "layer, and as much again to combine")
