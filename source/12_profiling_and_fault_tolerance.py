@@ -423,10 +423,15 @@ except (LaunchTimeout, RankFailed) as e:
 #
 # A synchronous job stops when any rank dies. `torchrun --max-restarts N`
 # (its *agent*) then stops the other workers, starts them all again and sets
-# `TORCHELASTIC_RESTART_COUNT` to the restart's number. Everything in the
-# workers' memory is lost: weights, optimizer state, the scheduler's
-# position, random generators, the data loader's place. What is kept is what
-# was saved: a restart is only as good as the last checkpoint.
+# `TORCHELASTIC_RESTART_COUNT` to the restart's number. On one machine:
+#
+# ```
+# torchrun --standalone --nproc-per-node 2 --max-restarts 1 train.py
+# ```
+#
+# Everything in the workers' memory is lost: weights, optimizer state, the
+# scheduler's position, random generators, the data loader's place. What is
+# kept is what was saved: a restart is only as good as the last checkpoint.
 #
 # To run torchrun's own agent without paying for fresh interpreters, this
 # notebook calls it as a function: `elastic_launch(LaunchConfig(...), fn)` is
