@@ -730,8 +730,9 @@ check_blockwise_attention(blockwise_attention)
 # come before all second choices, and within a choice, earlier tokens first;
 # the rest are dropped. Return `(order, send_counts)`: `order` lists the kept
 # assignments' numbers, grouped by destination rank (rank 0's first), and
-# `send_counts[r]` is how many go to rank `r`. The checker runs the real
-# exchange on 2 and 3 ranks and compares the layer with one process.
+# `send_counts[r]` is how many go to rank `r`. The checker tries skewed
+# routings for 2 and 3 ranks, then runs the real exchange with your plans on 3
+# ranks and compares the layer with one process.
 
 # %% tags=["exercise"] exercise="11.2"
 def plan_dispatch(expert_idx, n_experts, world_size, capacity):
