@@ -403,7 +403,7 @@ def rank1_stuck(rank, world_size):
 
 
 try:
-    launch(rank1_stuck, 2, timeout=2.5, echo=False)
+    launch(rank1_stuck, 2, timeout=2.5, backend="gloo", echo=False)
 except (LaunchTimeout, RankFailed) as e:
     print("\n".join(line for line in str(e).splitlines()
                     if " was in " in line or "all_reduce (" in line

@@ -59,7 +59,7 @@ def real_trace(tmp_path_factory):
                     loss.backward()
                 prof.step()
 
-    launch(profile_ddp, 2, args=(outdir,), timeout=60, echo=False)
+    launch(profile_ddp, 2, args=(outdir,), timeout=60, backend="gloo", echo=False)
     return traces.merge_traces({r: f"{outdir}/rank{r}.json" for r in range(2)})
 
 

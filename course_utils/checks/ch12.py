@@ -579,7 +579,7 @@ def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None
         try:
             out = launch(_quick_stage, 2, args=(save_checkpoint, load_checkpoint,
                                                 ckpt_dir, crashes),
-                         timeout=90, echo=False)
+                         timeout=90, backend="gloo", echo=False)  # CPU models
         except RankFailed as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             cause = next((line for line in reversed(lines)
