@@ -1,8 +1,8 @@
 """Checkers for Chapter 9 (sharded data parallelism).
 
 9.1 runs the learner's ``ShardedLinear`` in real processes: one launch of 5
-ranks that form two independent process groups, of 2 and of 3 ranks (each
-with its own store), so both world sizes are tried at once. Sizes are odd,
+ranks that form two independent process groups, of 2 and of 3 ranks (keys
+apart in one store), so both world sizes are tried at once. Sizes are odd,
 so the shards need padding; the output, the input's gradient and each
 rank's shard gradients are compared with one process, and ``MemTracker``
 counts the bytes the forward keeps alive. 9.2 is a pure function, tried on
@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 import gc
 import math
-import tempfile
+import os
+import time
 import warnings
 from datetime import timedelta
 
@@ -91,8 +92,7 @@ def _linear_cases(fn, rank: int, n: int) -> list[dict]:
     return results
 
 
-def _linear_rank(launched: int, nprocs: int, classes: list, folder: str,
-                 wait_s: float) -> list:
+def _linear_rank(launched: int, nprocs: int, classes: list, wait_s: float) -> list:
     """One rank of one of the two groups; each class in a process group of its own,
     so that one class's error cannot stop the next."""
     import torch.distributed as dist
@@ -100,9 +100,14 @@ def _linear_rank(launched: int, nprocs: int, classes: list, folder: str,
     warnings.simplefilter("ignore")
     start, n = next(g for g in GROUPS if g[0] <= launched < g[0] + g[1])
     rank = launched - start
+    # one store for the launch (the launcher's rendezvous port); a prefix per
+    # group and per class keeps their keys apart
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           nprocs, is_master=launched == 0,
+                           timeout=timedelta(seconds=TIMEOUT_S))
     out = []
     for i, fn in enumerate(classes):
-        store = dist.FileStore(f"{folder}/store{n}_{i}", n)
+        store = dist.PrefixStore(f"group{n}/class{i}", shared)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n,
                                 timeout=timedelta(seconds=wait_s))
         try:
@@ -112,6 +117,9 @@ def _linear_rank(launched: int, nprocs: int, classes: list, folder: str,
             out.append((n, rank, f"{type(e).__name__}: {first}"))
         finally:
             dist.destroy_process_group()
+    shared.add("finished", 1)
+    while launched == 0 and shared.add("finished", 0) < nprocs:
+        time.sleep(0.05)  # rank 0 serves the store: it leaves last
     return out
 
 
@@ -125,16 +133,15 @@ def run_sharded_linear(classes: list, wait_s: float = 10.0) -> None:
     launching again (the checker tests use it: one launch for all answers).
     """
     nprocs = sum(n for _, n in GROUPS)
-    with tempfile.TemporaryDirectory(prefix="ch09_") as folder:
-        try:
-            ranks = [r.value for r in launch(
-                _linear_rank, nprocs, args=(list(classes), folder, wait_s),
-                timeout=TIMEOUT_S + 2 * wait_s * len(classes), init=False,
-                echo=False, backend="gloo")]
-        except RankFailed as e:
-            ranks = str(e).splitlines()[0][:240]
-        except LaunchTimeout as e:
-            ranks = "timeout: " + str(e).splitlines()[0][:200]
+    try:
+        ranks = [r.value for r in launch(
+            _linear_rank, nprocs, args=(list(classes), wait_s),
+            timeout=TIMEOUT_S + 2 * wait_s * len(classes), init=False,
+            echo=False, backend="gloo")]
+    except RankFailed as e:
+        ranks = str(e).splitlines()[0][:240]
+    except LaunchTimeout as e:
+        ranks = "timeout: " + str(e).splitlines()[0][:200]
     for i, cls in enumerate(classes):
         _LINEAR_RUNS[cls] = ranks if isinstance(ranks, str) else [r[i] for r in ranks]
 
