@@ -353,7 +353,7 @@ def calibrated_copy_seconds(nbytes: float, link: str = "pcie4_x16", gpu: str = "
     return reference.predicted(
         t, "s", gpu or link.replace("_", " "),
         f"{'pinned' if pinned else 'pageable'} copy of {nbytes:.3g} bytes: {model}",
-        inputs)
+        list(dict.fromkeys(inputs)))
 
 
 def allreduce_seconds(nbytes: float, n: int, link: str = "nvlink_h100",
@@ -378,9 +378,9 @@ def allreduce_seconds(nbytes: float, n: int, link: str = "nvlink_h100",
         f"NCCL ring all-reduce: latency {collective_latency() * 1e6:.0f} us + "
         f"2(n-1)/n x bytes / {achieved_link_bandwidth(link) / 1e9:.4g} GB/s "
         f"(bus bandwidth), n={n}, {nbytes:.3g} bytes",
-        [LINKS[link][0], *COLLECTIVE_LATENCY_INPUTS,
-         *(NVLINK_EFFICIENCY_INPUTS if link.startswith("nvlink")
-           else PCIE_EFFICIENCY_INPUTS)])
+        list(dict.fromkeys([LINKS[link][0], *COLLECTIVE_LATENCY_INPUTS,
+                            *(NVLINK_EFFICIENCY_INPUTS if link.startswith("nvlink")
+                              else PCIE_EFFICIENCY_INPUTS)])))
 
 
 def algbw(nbytes: float, seconds: float) -> float:
