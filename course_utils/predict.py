@@ -627,8 +627,14 @@ def calibration_pairs() -> list[Pair]:
         kernel_seconds(16, 2 * 4 * 16, "h100_sxm", launches=1000).value,
         seed["y"][0], "s", "seed000.gpu_add_loop_seconds", LAUNCH_INPUTS,
         "the seed's timer also covers torch.ones(n, n).cuda() and its machine, "
-        "GPU and PyTorch version are unknown; no other published measurement of "
-        "a PyTorch launch loop was found"))
+        "GPU and PyTorch version are unknown; no published measurement of "
+        "a PyTorch launch loop on a named machine was found"))
+    pairs.append(Pair(
+        "queueing 50 matmuls of 4000 x 4000 without waiting, host time",
+        50 * launch_overhead(), _value("seed001.run_only_seconds"), "s",
+        "seed001.run_only_seconds", LAUNCH_INPUTS,
+        "a matmul's launch costs more than an elementwise kernel's (cuBLAS "
+        "dispatch), and the seed's machine and PyTorch version are unknown"))
     return pairs
 
 
