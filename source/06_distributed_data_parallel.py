@@ -994,13 +994,17 @@ print(f"the two nodes took {time.perf_counter() - start:.1f} s in all")
 # wrote; on a real cluster the checkpoint directory must be on a shared file
 # system (or each node saves and loads its own copy).
 #
-# Were any processes left behind? The notebook's process should have no
-# children now: the launcher and the cells above end every process they start,
-# even after a failure.
+# Were any processes left behind? No rank, agent or worker should be running
+# now: the launcher and the cells above end every process they start, even
+# after a failure. Two helpers stay by design, until the kernel exits: the
+# launcher's forkserver, the clean process that ranks are forked from, and
+# multiprocessing's resource tracker.
 
 # %%
-left = psutil.Process().children(recursive=True)
-print("processes started from this notebook that are still running:",
+servers = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+left = [p for p in psutil.Process().children(recursive=True)
+        if not any(server in " ".join(p.cmdline()) for server in servers)]
+print("ranks, agents or workers started from this notebook still running:",
       [f"{p.pid} {' '.join(p.cmdline())[:60]}" for p in left] or "none")
 
 # %% [markdown]
