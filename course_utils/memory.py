@@ -14,11 +14,14 @@ profiler's cumulative counter. They work on the CPU and on fake tensors.
 - ``Llama``: a Llama-2-7B-shaped decoder (fused q/k/v, SwiGLU, RMSNorm).
 - ``fsdp2_peak_on_fake_ranks(world_sizes, ...)``: run the real FSDP2 code
   (``fully_shard`` per block and root, Adam, one step) on a fake process
-  group with fake tensors, in a child process: the peak bytes one rank would
-  hold, predicted without allocating them. Later chapters reuse it.
-- ``LLAMA2_7B_FSDP2``: that prediction for the 32-layer model, computed by
-  ``python -m course_utils.memory`` (about 10 s per world size), so that a
-  chapter can show the whole curve and recompute one point of it live.
+  group with fake tensors, in a child process (or here, ``in_process=True``):
+  the peak bytes one rank would hold, predicted without allocating them.
+  Later chapters reuse it.
+- ``LLAMA2_7B_FSDP2``: that prediction for the 32-layer model on 1 to 64
+  ranks, computed by ``python -m course_utils.memory`` (about 10 s per world
+  size), so that a chapter can show the whole curve; and
+  ``LLAMA2_2_LAYERS_FSDP2``, a 2-layer point small enough to recompute live
+  and compare byte for byte.
 """
 
 from __future__ import annotations
