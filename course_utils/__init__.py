@@ -16,6 +16,10 @@ import os
 # course_utils before it forks the ranks, so importing it must leave CUDA
 # alone, or the ranks could not use their GPUs (nccl).
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# torch 2.13's profiler library (kineto) prints "USDT: ... profiler_start" and
+# "profiler_stop" to stderr around every profile, which a notebook shows as
+# an error box. Level 6 silences its native log (read at each profile).
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 from course_utils.devices import (  # noqa: E402
     banner,
