@@ -54,6 +54,7 @@ from course_utils import (
     try_gpu,
 )
 from course_utils.bench import Sweep, format_seconds, synchronize
+from course_utils.compare import compare
 from course_utils.devices import (
     FP32_LANES_PER_SM,
     cpu_facts,
@@ -904,20 +905,16 @@ def time_epochs(dev, steps, rounds=3):
     return {name: min(ts) / steps for name, ts in times.items()}
 
 
-cpu_epoch = time_epochs("cpu", steps=20)
-for name, t in cpu_epoch.items():
-    print(f"cpu: {name:<22} {t * 1e6:8.1f} us per step")
-item_ratio = cpu_epoch["epoch_item_every_step"] / cpu_epoch["epoch_sync_once"]
-print(f"cpu: every-step .item() / once per epoch = {item_ratio:.3f}x")
-if 0.85 <= item_ratio <= 1.15:
-    print("verdict: the same within noise - on a CPU there is no queue to drain")
-else:
-    print("verdict: more than 15% apart - the machine was disturbed by other load "
-          "(run the cell again); a CPU read has no queue to drain")
+cpu_problems = {fn: make_problem("cpu", 20) for fn in (epoch_item_every_step,
+                                                        epoch_sync_once)}
+print("cpu: one epoch of 20 steps")  # interleaved runs, the course's protocol
+print(compare({fn.__name__: lambda fn=fn: fn(*cpu_problems[fn])
+               for fn in cpu_problems}, repeats=3, tolerance=0.15))
 
 # %% [markdown]
-# On the CPU the ratio should be close to 1 (up to the noise of a shared
-# machine): each operator has finished when it returns, so `.item()` only
+# On the CPU the two take about the same time (the verdict says whether they
+# did, or that the machine was disturbed): each operator has finished when it
+# returns, so `.item()` only
 # copies one number that is already there - there is no queue to drain. On a
 # GPU the per-step read removes the overlap between Python's launching and the
 # GPU's work:
@@ -1262,36 +1259,31 @@ plt.show()
 # %%
 a = torch.randn(512, 512)
 thread_counts = sorted({1, 2, facts["usable_cores"]})
-try:
-    mm_times = {}
-    for n in thread_counts:
+
+
+def matmul_on(n):
+    def run():
         torch.set_num_threads(n)
-        mm_times[n] = bench(torch.mm, a, a, min_run_time=0.2).median
-        print(f"{torch.get_num_threads()} thread(s): 512 x 512 matmul "
-              f"{mm_times[n] * 1e3:.2f} ms, speed-up {mm_times[1] / mm_times[n]:.2f}x")
+        torch.mm(a, a)
+    return run
+
+
+try:  # interleaved runs, CPU seconds and busy cores: the course's protocol
+    print(compare({f"{n} thread{'s' if n > 1 else ''}": matmul_on(n)
+                   for n in thread_counts}, repeats=3))
 finally:
     torch.set_num_threads(CPU_THREADS)
 print("restored:", torch.get_num_threads(), "thread(s)")
-top = mm_times[1] / mm_times[max(thread_counts)]
-if max(thread_counts) == 1:
-    print("verdict: one usable core - nothing to compare")
-elif top >= 1.5:
-    print(f"verdict: {top:.2f}x - the extra threads found free cores")
-elif top < 0.8:
-    print(f"verdict: {top:.2f}x, a slow-down - another process held a core, and the "
-          "threads of one matmul wait for each other, so the one without a core "
-          "sets the pace (run again on a quiet machine)")
-else:
-    print(f"verdict: {top:.2f}x, no real speed-up - other processes held the cores "
-          "this time (run again on a quiet machine)")
 
 # %% [markdown]
-# On an idle machine with at least two cores, two threads should come close to
-# twice as fast on a matmul this size. On a loaded machine the second thread
-# must wait for a core that another process holds, and the speed-up shrinks
-# or even turns into a slow-down. That is why every CPU timing in this course
-# states its thread count, and why the printed speed-up, not a claim in this
-# text, is the answer for your machine.
+# On an idle machine with at least two cores, two threads can come close to
+# twice as fast on a matmul this size, with two busy cores. On a loaded machine
+# the second thread must wait for a core that another process holds: the
+# threads of one matmul wait for each other, so the one without a core sets
+# the pace, and two threads can even be slower than one. The comparison then
+# says "disturbed" rather than report that as the threads' doing. That is why
+# every CPU timing in this course states its thread count, and why the printed
+# verdict, not a claim in this text, is the answer for your machine.
 #
 # ## Summary
 #
