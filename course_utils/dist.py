@@ -141,8 +141,10 @@ def _name(fn: Callable) -> str:
 
 # Imported once by the forkserver's server, so that every rank starts with them.
 # DDP and the optimizers import torch._dynamo on first use (about a second of
-# CPU each time): preloaded, no rank pays it.
-PRELOAD = ["course_utils.dist", "torch.distributed", "torch._dynamo"]
+# CPU each time), which brings FSDP2 and DTensor too; distributed checkpoints
+# and pipelining add about half a second more: preloaded, no rank pays it.
+PRELOAD = ["course_utils.dist", "torch.distributed", "torch._dynamo",
+           "torch.distributed.checkpoint", "torch.distributed.pipelining"]
 
 
 def choose_start_method(fn: Callable | None = None, backend: str = "gloo",
