@@ -356,7 +356,8 @@ def _judge(
             f"{name}: the same within noise (faster in {faster}, slower in "
             f"{slower} of {len(pairs)} interleaved pairs; {why})"
         )
-    if other.busy_cores > usable_cores() + 0.25:
+    long_enough = other.median * other.number >= 0.05  # for the CPU clocks
+    if long_enough and other.busy_cores > usable_cores() + 0.25:
         outcome = "disturbed"
         line = (
             f"{name}: {DISTURBED} (more busy cores counted than exist: "

@@ -118,7 +118,7 @@ def test_a_few_disturbed_runs_are_set_aside(monkeypatch):
 
 def test_cpu_counted_twice_is_not_a_speed_up(quiet_machine):
     result = compare(
-        {"base": sleeper(0.02), "double-counted": sleeper(0.01, cpu_s=1.0)},
+        {"base": sleeper(0.1), "double-counted": sleeper(0.06, cpu_s=1.0)},
         repeats=3,
     )
     assert result.outcome == "disturbed"
