@@ -592,6 +592,15 @@ def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Ru
     return _Run(results, outs, stacks)
 
 
+PEER_GONE = ("closed by peer", "reset by peer", "Connection was likely closed",
+             "Broken pipe", "DistNetworkError")
+
+
+def _peer_went_away(error: str) -> bool:
+    """Whether a rank failed only because another rank had gone."""
+    return any(text in error for text in PEER_GONE)
+
+
 def _port_taken(run: _Run) -> bool:
     error = run.results.get(0, {}).get("error", "")
     return "EADDRINUSE" in error or "address already in use" in error.lower()
@@ -673,7 +682,9 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
                 print(f"[rank {r}] {line}")
     bad = {r: res for r, res in results.items() if not res["ok"]}
     if bad:
-        r = next(iter(bad))  # the first to fail; the others may fail because of it
+        # the cause, not a consequence: a rank whose peer died fails too, on a
+        # closed connection, and may be noticed first
+        r = min(bad, key=lambda k: (_peer_went_away(bad[k]["error"]), k))
         stopped = set(range(nprocs)) - set(results)
         tail = f" ({_ranks(stopped)} stopped)" if stopped else ""
         hint = ("\nhint: a forked rank cannot use CUDA once this process has "
