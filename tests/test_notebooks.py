@@ -8,11 +8,12 @@
 """
 
 import json
-import time
+import warnings
 
 import pytest
 
 from course_utils import build
+from course_utils.compare import Meter
 from course_utils.grade import run_notebooks
 
 CHAPTERS = build.chapter_sources()
@@ -32,13 +33,21 @@ def describe(cells):
 
 @pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
 def test_solution_notebook_passes_every_cell(source, solution_dir):
-    start = time.perf_counter()
-    cells = run_notebooks([solution_dir / f"{source.stem}.ipynb"])
-    seconds = time.perf_counter() - start
+    # the notebook's processes are this one's children: their CPU seconds are
+    # counted, and what the machine did besides is other programs' work
+    with Meter() as run:
+        cells = run_notebooks([solution_dir / f"{source.stem}.ipynb"])
     failed = [c for c in cells if c.outcome != "passed"]
     assert cells, "nbval collected no cells"
     assert not failed, describe(failed)
-    assert seconds < BUDGET_S, f"{source.stem} took {seconds:.0f} s under nbval"
+    took = (f"{source.stem} took {run.wall_s:.0f} s under nbval "
+            f"({run.cpu_s:.0f} CPU s; other programs used "
+            f"{run.others_cores or 0:.1f} cores meanwhile)")
+    print(took)
+    if run.disturbed:  # a busy machine says nothing about the chapter's budget
+        warnings.warn(f"time budget not judged: {took}", stacklevel=1)
+        return
+    assert run.wall_s < BUDGET_S, took
 
 
 @pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
