@@ -774,6 +774,7 @@ h200_pred = reference.predicted(
     [predict.LINKS["nvlink_h100"][0], *predict.COLLECTIVE_LATENCY_INPUTS,
      *predict.NVLINK_EFFICIENCY_INPUTS])
 figures = reference.show("06.allreduce_2gpu", local=rows[-1][1], unit="s",
+                         local_device="cuda:0" if backend == "nccl" else "cpu",
                          figures=[*ring.values(), h200_pred, h200])
 print(f"at the largest message, {sizes[-1]:,d} bytes: measured here "
       f"{rows[-1][1] * 1e6:,.0f} us (fastest run); predicted "
