@@ -478,15 +478,19 @@ print(chunks)
 #   with everything defined in it - including functions defined in this
 #   notebook. Fast. But a fork copies the state of libraries too: once this
 #   process has run a multi-threaded torch operation, a forked child that runs
-#   one may hang for ever (GNU OpenMP is not fork-safe). The fix, used by
-#   `course_utils.dist.pool` and `launch`: one torch thread per forked worker
-#   (`torch.set_num_threads(1)` in the worker's initializer).
+#   one may hang for ever (GNU OpenMP is not fork-safe). The fix for forked
+#   workers: one torch thread each (`torch.set_num_threads(1)` in the
+#   worker's initializer).
 # - **spawn** (the default on macOS and Windows): a fresh Python that
 #   *imports* what it must run. A function defined in a notebook lives in
 #   `__main__`, which the fresh Python does not have: the worker fails to find
 #   it.
 # - **forkserver** (the Linux default from Python 3.14): workers forked from a
-#   clean server process; it has the same problem with notebook functions.
+#   clean server process, started fresh, so nothing this notebook did reaches
+#   them - but, like spawn, it cannot find a notebook function by name. The
+#   course's `course_utils.dist.pool` and `launch` use a forkserver and send
+#   the function itself, by value (`cloudpickle`), so notebook functions work
+#   and workers may run several threads.
 #
 # Watch spawn fail, safely: `ProcessPoolExecutor` notices its workers dying
 # and raises at once (a plain `Pool.map` would wait for ever). The red text
@@ -557,9 +561,10 @@ finally:
 # - Time everything a method needs (pool creation included), keep the results,
 #   and check them against the serial ones.
 # - Vectorise first: for elementwise work it beats any number of processes.
-# - In a notebook, fork works with notebook functions and spawn does not;
-#   forked workers should run one torch thread. Keep processes x threads at or
-#   below the cores.
+# - In a notebook, fork works with notebook functions and spawn does not
+#   (unless the function is sent by value, as the course's pools do); forked
+#   workers should run one torch thread. Keep processes x threads at or below
+#   the cores.
 
 # %% [markdown]
 # ## Exercises
