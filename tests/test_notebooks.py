@@ -35,7 +35,7 @@ def describe(cells):
 def test_solution_notebook_passes_every_cell(source, solution_dir):
     # the notebook's processes are this one's children: their CPU seconds are
     # counted, and what the machine did besides is other programs' work
-    with Meter() as run:
+    with Meter(quiet_cores=1.0) as run:
         cells = run_notebooks([solution_dir / f"{source.stem}.ipynb"])
     failed = [c for c in cells if c.outcome != "passed"]
     assert cells, "nbval collected no cells"
@@ -44,7 +44,9 @@ def test_solution_notebook_passes_every_cell(source, solution_dir):
             f"({run.cpu_s:.0f} CPU s; other programs used "
             f"{run.others_cores or 0:.1f} cores meanwhile)")
     print(took)
-    if run.disturbed:  # a busy machine says nothing about the chapter's budget
+    if run.wall_s >= BUDGET_S and run.disturbed:
+        # a busy machine says nothing about the chapter's budget (ranks that
+        # outlive the kernel are not counted as ours: hence a whole core)
         warnings.warn(f"time budget not judged: {took}", stacklevel=1)
         return
     assert run.wall_s < BUDGET_S, took
