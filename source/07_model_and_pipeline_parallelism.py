@@ -603,7 +603,7 @@ base = sweep["GPipe m=1"].median / STEPS  # a run is STEPS steps
 mp = reference.published("pt_mp_tutorial.resnet50_two_gpus_no_pipeline_seconds")
 tutorial = [reference.published(f"pt_mp_tutorial.resnet50_pipelined_{k}_seconds")
             for k in ("split20", "split12")]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.4))
 ax1.plot(M_SWEEP, [bubbles[m] for m in M_SWEEP],  # errors are left out (nan)
          label=f"measured here, {where}", **plots.figure_style("measured"))
 ax1.plot(M_SWEEP, [(P - 1) / (m + P - 1) for m in M_SWEEP],
@@ -611,7 +611,7 @@ ax1.plot(M_SWEEP, [(P - 1) / (m + P - 1) for m in M_SWEEP],
 ax1.set(xscale="log", xlabel="micro-batches m", ylabel="idle fraction (bubble)",
         title="The bubble")
 ax1.set_xticks(M_SWEEP, labels=[str(m) for m in M_SWEEP])
-ax1.legend(fontsize=7)
+ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # below: no curve hidden
 ax2.plot(M_SWEEP, [sweep[f"GPipe m={m}"].median / STEPS / base for m in M_SWEEP],
          label=f"measured here, {where} (median step)",
          **plots.figure_style("measured"))
@@ -624,7 +624,7 @@ ax2.set_xscale("log")
 ax2.set_xticks([1, 2, 4, 6, 8, 10], labels=["1", "2", "4", "6", "8", "10"])
 ax2.set(xlabel="micro-batches m", ylabel="step time / unpipelined",
         title="Step time against micro-batches")
-ax2.legend(fontsize=7)
+ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # below: no curve hidden
 plt.tight_layout()
 plt.show()
 print(f"[{mp.label}]")
