@@ -175,10 +175,23 @@ def _run_everything(page, name: str, n_cells: int) -> list[dict]:
         seen_errors.add(cell["index"])
         if cell["index"] + 1 >= len(cells):
             return cells
+        # on the prompt area: the cell becomes the active one (the collapser
+        # bar at the far left only folds a code cell's input)
         page.locator(".jp-Notebook .jp-Cell").nth(cell["index"] + 1).click(
-            position={"x": 5, "y": 5})
+            position={"x": 40, "y": 8})
         _menu(page, "Run", "Run Selected Cell and All Below")
+        _wait_started(page, cell["index"] + 1)
     return _cells(page)
+
+
+def _wait_started(page, first: int, timeout_s: float = 30) -> None:
+    """Until the first code cell from ``first`` on is queued, running or done."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        below = [c for c in _cells(page)[first:] if c["code"]]
+        if not below or re.search(r"\[(\*|\d+)\]", below[0]["prompt"]):
+            return
+        time.sleep(0.25)
 
 
 def _code(name: str) -> str:
