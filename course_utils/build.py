@@ -116,6 +116,7 @@ def lint(nb, chapter: int, name: str) -> list[tuple[str, int, int]]:
             )
         found.append((ex, i, nxt))
     _no_shadowing(nb, [i for _, i, _ in found], name)
+    _no_dependence(nb, found, name)
     return found
 
 
@@ -158,6 +159,41 @@ def _no_shadowing(nb, exercise_cells: list[int], name: str) -> None:
                     f"{name}: exercise cell {j} defines {', '.join(clash)}, which "
                     f"cell {i} defines too: running the exercise would replace "
                     "the chapter's; give the exercise's names of their own"
+                )
+
+
+def _names_used(source: str) -> set[str]:
+    """Every name a cell reads (loads), at any depth."""
+    import ast
+
+    lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return set()
+    return {n.id for n in ast.walk(tree)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _no_dependence(nb, exercises: list[tuple[str, int, int]], name: str) -> None:
+    """No cell but an exercise's own check may use what the exercise defines.
+
+    A learner who has not solved it yet must still be able to run the rest of
+    the chapter (and a later cell must not silently use a wrong answer).
+    """
+    for ex, i, check in exercises:
+        defined = _top_level_names(nb.cells[i].source)
+        for j in range(i + 1, len(nb.cells)):
+            cell = nb.cells[j]
+            if cell.cell_type != "code" or j == check:
+                continue
+            if "exercise" in cell.metadata.get("tags", []):
+                continue  # its own names are checked by _no_shadowing
+            used = sorted(defined & _names_used(cell.source))
+            if used:
+                raise BuildError(
+                    f"{name}: cell {j} uses {', '.join(used)} from exercise {ex}: "
+                    "the chapter must run while the exercise is unsolved"
                 )
 
 
@@ -384,6 +420,53 @@ def write_solutions(
     for source in only or chapter_sources(source_dir):
         path = out_dir / f"{source.stem}.ipynb"
         path.write_text(generate(source, solutions=True), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def gate_notebook(source: Path) -> str:
+    """The learner notebook with each exercise solved right after its check.
+
+    The test suite runs it once for both notebook gates: every check cell
+    (tagged ``check``) must fail on the placeholder, naming its exercise; the
+    solution's exercise cell and a second copy of the check follow it
+    (tagged ``solved``), and that copy must pass; every other cell must pass.
+    Cells after an exercise see its solution, as in the solution notebook;
+    that no cell depends on an unsolved exercise is the build's lint
+    (``_no_dependence``).
+    """
+    learner = nbformat.reads(generate(source), as_version=4)
+    solved = nbformat.reads(generate(source, solutions=True), as_version=4)
+    answers = {
+        str(c.metadata.get("exercise")): c
+        for c in solved.cells
+        if "exercise" in c.metadata.get("tags", [])
+    }
+    cells = []
+    for cell in learner.cells:
+        cells.append(cell)
+        tags = cell.metadata.get("tags", [])
+        if cell.cell_type != "code" or "check" not in tags:
+            continue
+        ex = str(cell.metadata.get("exercise"))
+        for copy, tag in ((answers[ex], "solved-exercise"), (cell, "solved")):
+            cells.append(nbformat.v4.new_code_cell(
+                copy.source, id=f"{copy.id}s",
+                metadata={"tags": [tag], "exercise": ex}))
+    learner.cells = cells
+    nbformat.validate(learner)
+    return nbformat.writes(learner) + "\n"
+
+
+def write_gate_notebooks(
+    out_dir: Path, source_dir: Path = SOURCE_DIR, only: list[Path] | None = None
+) -> list[Path]:
+    """Write ``gate_notebook`` for each chapter into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for source in only or chapter_sources(source_dir):
+        path = out_dir / f"{source.stem}.ipynb"
+        path.write_text(gate_notebook(source), encoding="utf-8")
         paths.append(path)
     return paths
 

@@ -170,6 +170,31 @@ def test_an_exercise_may_use_a_chapter_name(tmp_path):
     build.generate(path)
 
 
+@pytest.mark.parametrize("later", [
+    "print(area(2))\n",
+    "def plot():\n    return [area(r) for r in range(3)]\n",
+    "f = area\n",
+])
+def test_a_later_cell_may_not_use_an_exercise(tmp_path, later):
+    path = tmp_path / "07_demo.py"
+    path.write_text(SOURCE + "\n# %%\n" + later)
+    with pytest.raises(build.BuildError, match="uses area from exercise 7.1"):
+        build.generate(path)
+
+
+def test_the_gate_notebook_solves_each_exercise_after_its_check(tmp_path):
+    path = tmp_path / "07_demo.py"
+    path.write_text(SOURCE + "\n# %%\nprint(math.tau)\n")
+    nb = json.loads(build.gate_notebook(path))
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    tags = [c["metadata"].get("tags", []) for c in code]
+    assert tags == [[], ["exercise"], ["check"], ["solved-exercise"], ["solved"], []]
+    src = ["".join(c["source"]) for c in code]
+    assert 'raise NotImplementedError("Exercise 7.1")' in src[1]
+    assert "math.pi * r**2" in src[3] and src[4] == src[2]
+    assert len({c["id"] for c in nb["cells"]}) == len(nb["cells"])
+
+
 def test_unbalanced_markers_are_refused():
     with pytest.raises(build.BuildError):
         build.stub_solutions("    ### BEGIN SOLUTION\n    x = 1\n", "7.1")

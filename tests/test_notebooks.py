@@ -1,8 +1,9 @@
 """The notebook gates.
 
-- the solution notebooks pass every cell under nbval;
-- the learner notebooks fail exactly their check cells, and nothing else (no
-  check is vacuous, and nothing else depends on an unsolved exercise);
+- each chapter runs once under nbval as the learner notebook with every
+  exercise solved right after its check: the checks fail on the placeholders
+  (no check is vacuous), pass on the solutions, and every other cell passes;
+  that nothing depends on an unsolved exercise is the build's lint;
 - the committed notebooks are clean (no outputs, no execution counts);
 - (the sync gate is in test_build.py; the exercise rules are enforced by the build)
 """
@@ -21,9 +22,9 @@ BUDGET_S = 90  # a chapter's design budget is 60 s on a 2-core machine; 50% slac
 
 
 @pytest.fixture(scope="session")
-def solution_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("solutions")
-    build.write_solutions(out)
+def gate_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gates")
+    build.write_gate_notebooks(out)
     return out
 
 
@@ -32,13 +33,31 @@ def describe(cells):
 
 
 @pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
-def test_solution_notebook_passes_every_cell(source, solution_dir):
+def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir):
+    """One run of the learner notebook, each exercise solved after its check.
+
+    Every check fails on the placeholder and names its exercise (no check is
+    vacuous); the solution then passes the same check; every other cell passes
+    (the solution notebook's cells, in its order). The chapter's time budget is
+    judged on this run.
+    """
     # the notebook's processes are this one's children: their CPU seconds are
     # counted, and what the machine did besides is other programs' work
     with Meter(quiet_cores=1.0) as run:
-        cells = run_notebooks([solution_dir / f"{source.stem}.ipynb"])
-    failed = [c for c in cells if c.outcome != "passed"]
+        cells = run_notebooks([gate_dir / f"{source.stem}.ipynb"])
     assert cells, "nbval collected no cells"
+    checks = [c for c in cells if "check" in c.tags]
+    solved = [c for c in cells if "solved" in c.tags]
+    assert checks, f"{source.stem} has no graded exercise"
+    assert len(solved) == len(checks)
+    vacuous = [c for c in checks if c.outcome != "failed"]
+    assert not vacuous, ("check cells that pass with no solution (vacuous):\n"
+                         + "\n".join(c.source for c in vacuous))
+    for c in checks:
+        assert f"Exercise {c.exercise}" in c.message and "placeholder" in c.message, (
+            f"check {c.exercise} fails without naming the unsolved exercise:\n"
+            + c.message)
+    failed = [c for c in cells if "check" not in c.tags and c.outcome != "passed"]
     assert not failed, describe(failed)
     took = (f"{source.stem} took {run.wall_s:.0f} s under nbval "
             f"({run.cpu_s:.0f} CPU s; other programs used "
@@ -50,29 +69,6 @@ def test_solution_notebook_passes_every_cell(source, solution_dir):
         warnings.warn(f"time budget not judged: {took}", stacklevel=1)
         return
     assert run.wall_s < BUDGET_S, took
-
-
-@pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
-def test_learner_notebook_fails_exactly_its_checks(source):
-    cells = run_notebooks([build.NOTEBOOK_DIR / f"{source.stem}.ipynb"])
-    failed = {c.cell for c in cells if c.outcome == "failed"}
-    checks = {c.cell for c in cells if "check" in c.tags}
-    assert checks, f"{source.stem} has no graded exercise"
-    assert not failed - checks, "cells that fail without a solution:\n" + describe(
-        [c for c in cells if c.cell in failed - checks]
-    )
-    assert not checks - failed, (
-        "check cells that pass with no solution (vacuous):\n"
-        + "\n".join(c.source for c in cells if c.cell in checks - failed)
-    )
-    for c in cells:
-        if c.cell in checks:
-            assert (
-                f"Exercise {c.exercise}" in c.message and "placeholder" in c.message
-            ), (
-                f"check {c.exercise} fails without naming the unsolved exercise:\n"
-                + c.message
-            )
 
 
 @pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
