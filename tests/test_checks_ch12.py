@@ -88,27 +88,23 @@ def real_dumps():
 
 
 def hidden_solution(events, comm="gloo:all_reduce", compute="backward"):
-    def union(intervals):
-        merged = []
-        for start, end in sorted(intervals):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        return merged
-
-    per_rank = {}
+    """Cut each rank's time line at every span edge; add up the pieces."""
+    ranks = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("name") in (comm, compute):
-            spans = per_rank.setdefault(e["pid"], {comm: [], compute: []})
-            spans[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
-    total = hidden = 0.0
-    for spans in per_rank.values():
-        talk, work = union(spans[comm]), union(spans[compute])
-        total += sum(end - start for start, end in talk)
-        hidden += sum(max(0.0, min(e1, e2) - max(s1, s2))
-                      for s1, e1 in talk for s2, e2 in work)
-    return hidden / total if total else 0.0
+        if e.get("ph") != "X" or e.get("name") not in (comm, compute):
+            continue
+        ranks.setdefault(e["pid"], []).append(
+            (e["name"] == comm, e["ts"], e["ts"] + e["dur"]))
+    talk_time = both_time = 0.0
+    for spans in ranks.values():
+        edges = sorted({t for _, a, b in spans for t in (a, b)})
+        for a, b in zip(edges, edges[1:]):
+            mid = (a + b) / 2
+            talking = any(c and s <= mid < e for c, s, e in spans)
+            working = any(not c and s <= mid < e for c, s, e in spans)
+            talk_time += (b - a) * talking
+            both_time += (b - a) * (talking and working)
+    return both_time / talk_time if talk_time else 0.0
 
 
 def hidden_sweep(events, comm="gloo:all_reduce", compute="backward"):
