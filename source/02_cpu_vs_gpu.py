@@ -17,22 +17,19 @@
 #
 # **Hardware.** Every cell runs on a CPU. With a GPU, the GPU measurements run
 # for real beside the CPU ones (and are recorded as reference results when
-# `COURSE_RECORD=1`). Without one, the cells measure the CPU, explain what a GPU
-# would do, and show the reference results recorded on a real GPU, labelled
-# with the device and date. They never print a GPU number that was not measured.
+# `COURSE_RECORD=1`). Without one, the cells measure the CPU and show GPU
+# figures of the other kinds, each labelled: *published* (the seed's own
+# timings, datasheets, papers: each source cited once, then by its number),
+# *predicted* (a calibrated model, named with its inputs), and *recorded* (a
+# run of this chapter on a GPU, where one has been made). A GPU number is
+# never printed as if this machine had measured it.
 
 # %%
 import copy
-import os
 import queue
-import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -47,22 +44,16 @@ from course_utils import (
     bench,
     check_fits,
     for_device,
-    plots,
     predict,
     reference,
+    roofline,
     sweep,
     try_gpu,
 )
-from course_utils.bench import Sweep, format_seconds, synchronize
+from course_utils.bench import format_seconds, synchronize
 from course_utils.compare import compare
-from course_utils.devices import (
-    FP32_LANES_PER_SM,
-    cpu_facts,
-    pycuda_facts,
-    usable_physical_cores,
-)
+from course_utils.devices import cpu_facts, usable_physical_cores
 from course_utils.errors import DoesNotFit
-from course_utils.plots import plot_time_vs_size
 
 torch.manual_seed(0)
 banner()
@@ -149,13 +140,11 @@ for dev in [torch.device("cpu")] + ([device] if on_gpu else []):
 
 # %% [markdown]
 # A ratio close to 1 (within the noise of a shared machine) means those values
-# cost nothing extra on that device; a ratio well above 1 means the hardware
-# takes a slow path for them - if it stays there when you run the cell again,
-# since a burst of load elsewhere can still hit one value's rounds. Look at the inf ratio: that is the one that
-# matters for the seed, whose loop runs on infinities from step 128 on. The
-# overflow makes the seed's *results* meaningless; whether it also bent its
-# *timings* is what the printed ratio says. We keep the seed's loop as it is: it
-# is a timing experiment.
+# cost nothing extra on that device; a ratio well above 1, again when you
+# rerun the cell, means the hardware takes a slow path for them. The inf ratio
+# is the one that matters for the seed, whose loop runs on infinities from
+# step 128 on: the overflow makes its *results* meaningless, and the ratio
+# says whether it also bent its *timings*. We keep the seed's loop as it is.
 #
 # ### Try a size yourself
 #
@@ -379,18 +368,13 @@ print("verdict at n = 400: the two CPU columns "
 # On the CPU the two columns should agree within noise for the larger sizes
 # (the verdict above says whether they did): CPU operators are synchronous, so
 # the seed's timer happened to be right there, apart from the tensor creation
-# it included (visible only at tiny sizes). On a
-# GPU, compare the two GPU columns: the work grows a million-fold from 4 to
-# 4000, and the "right" column grows with it once the tensor is big enough to
-# keep the GPU busy, while the "seed" column does not follow the work - it
-# timed launches, plus the creation and copy of the tensor inside its timer.
-# Without a GPU, here are the GPU columns as others give them: the seed's own
-# GPU column (*published* by its author: the unsynchronised kind), and the
-# *prediction* of the right column for an H100 from its launch cost and memory
-# bandwidth (and
-# both *recorded* where a GPU has recorded them). The seed's column is flat at
-# about 0.044 s from n = 4 to n = 4000, while the work grows a million-fold:
-# it timed the launches.
+# it included (visible only at tiny sizes). On a GPU, compare the two GPU
+# columns: the "right" column grows with the work once the tensor is big
+# enough to keep the GPU busy, while the "seed" column does not follow the
+# work - it timed launches, plus the creation and copy of the tensor. Without
+# a GPU, the cell shows the seed's own GPU column (*published*: flat from
+# n = 4 to n = 4000 while the work grows a million-fold) and the *predicted*
+# right column for an H100 (both *recorded* where a GPU has recorded them).
 
 # %%
 if on_gpu:
@@ -398,43 +382,7 @@ if on_gpu:
         reference.record(f"02.seed_table_{key}",
                          {"sizes": list(rows), "seconds": [rows[s][key] for s in rows]},
                          "s", device, note="1000 doublings of size x size float32")
-def doubling_floor(size, steps=1000, gpu="h100_sxm"):
-    """Calibrated time of `steps` doublings of a size x size float32 tensor.
-
-    Each step costs the larger of PyTorch's launch cost and the GPU's time at
-    the HBM bandwidth copies reach (``predict.kernel_seconds``).
-    """
-    return predict.kernel_seconds(size * size, 2 * 4 * size * size, gpu,
-                                  launches=steps).value
-
-
-def curve_xy(value):
-    """(sizes, seconds) of a recorded table or a published/predicted curve."""
-    if "x" in value:
-        return value["x"], value["y"]
-    return value["sizes"], value.get("seconds") or value.get("median")
-
-
-seed_gpu = reference.published("seed000.gpu_add_loop_seconds")
-calibrated = {s: predict.kernel_seconds(s * s, 2 * 4 * s * s, "h100_sxm",
-                                       launches=1000) for s in (4, 40, 400, 4000)}
-right_gpu = reference.predicted(
-    {"x": list(calibrated), "y": [f.value for f in calibrated.values()]},
-    "s", predict.gpu_name("h100_sxm"),
-    "calibrated: 1000 x max(launch cost, GPU time at the achieved HBM rate); "
-    + calibrated[4].source.split("; inputs: ")[0].split(" = ")[-1],
-    list(predict.LAUNCH_INPUTS) + list(predict.MEMORY_EFFICIENCY_INPUTS))
-for key, extra in (("gpu_seed", seed_gpu), ("gpu_right", right_gpu)):
-    for fig in reference.show(f"02.seed_table_{key}", figures=[extra]):
-        pairs = zip(*curve_xy(fig.value), strict=True)
-        print("   ", ", ".join(f"{s}: {format_seconds(t)}" for s, t in pairs))
-print("caveat: for the small sizes the prediction is launch-bound "
-      f"({format_seconds(calibrated[4].value)} for 1000 launches at "
-      f"{predict.launch_overhead() * 1e6:.1f} us each) and no published measurement "
-      "supports it within 2x: the seed's own loop took "
-      f"{seed_gpu.value['y'][0] / calibrated[4].value:.0f} x as long, on a machine "
-      "it does not name and with tensor creation inside its timer "
-      "(python -m course_utils.predict --calibration lists it as a known gap)")
+seed_gpu = roofline.seed_gpu_columns([4, 40, 400, 4000])
 
 # %% [markdown]
 # ### How long the queue is
@@ -464,15 +412,11 @@ if on_gpu:
     reference.record("02.launch_queue", queue_rows, "s", device,
                      note="[n, launch seconds, total seconds], add_ on 4096x4096")
 add_time = predict.kernel_seconds(4096**2, 2 * 4 * 4096**2, "h100_sxm")
-for fig in reference.show("02.launch_queue", unit="s", figures=[add_time]):
-    if fig.kind == "predicted":
-        print(f"    one add_ on 4096 x 4096 takes the GPU at least "
-              f"{format_seconds(fig.value)}: once the queue is full, launching slows "
-              "to that pace")
-        continue
-    for n, t_launch, t_total in fig.value:
-        print(f"    {n:5d} launches: launching {t_launch / n * 1e6:7.1f} us each, "
-              f"done after {t_total / n * 1e6:7.1f} us each")
+roofline.show("02.launch_queue", unit="s", figures=[add_time], lines=lambda f: [
+    f"{n:5d} launches: launching {t / n * 1e6:7.1f} us each, done after "
+    f"{done / n * 1e6:7.1f} us each" for n, t, done in f.value]
+    if f.kind == "recorded" else ["one add_ on 4096 x 4096: once the queue is full, "
+                                  "launching slows to this pace"]);
 
 # %% [markdown]
 # ### Timing the stages of a pipeline: whose time is it?
@@ -484,20 +428,15 @@ for fig in reference.show("02.launch_queue", unit="s", figures=[add_time]):
 # the GPU's work is then paid for by whichever later stage first needs a
 # result (`.cpu()`, `.item()`, a `print`), and that stage looks expensive.
 #
-# One of the seeds tells a story of how this can mislead. In its authors'
-# account, a translation model combined with a nearest-neighbour search over a
-# large datastore (kNN-MT) was timed stage by stage like this; the search
-# seemed to cost far more than the model, and work followed on making the
-# search cheaper, while part of the model's GPU time had been charged to the
-# search, whose first step was to read the model's output. Take it as their
-# account of a timing mistake, not as the whole story: end-to-end timings,
-# which a misplaced stage timer cannot distort, still find kNN-MT slow - about
-# 8 times slower to decode than the same model without retrieval (printed with
-# its source under the timings below), in
-# "Chunk-based Nearest Neighbor Machine Translation" (P. H. Martins, Z.
-# Marinho, A. F. T. Martins, EMNLP 2022), because it searches the datastore for
-# every generated token. What the story shows holds either way: a stage timer
-# without synchronisation says which stage *waited*, not which one *worked*.
+# One of the seeds tells how this misled its authors: a translation model
+# with a nearest-neighbour search over a large datastore (kNN-MT), timed stage
+# by stage like this, made the search look far more expensive than the model,
+# because part of the model's GPU time was charged to the search, which read
+# the model's output first. It is their account, not the whole story:
+# end-to-end timings, which a stage timer cannot distort, still find kNN-MT
+# several times slower to decode than the model alone (published, printed
+# below), since it searches for every generated token. Either way, a stage
+# timer without synchronisation says which stage *waited*, not which *worked*.
 #
 # Below, stage 1 is "the model", stage 2 a real k-nearest-neighbour search on
 # the CPU (`torch.cdist` and `topk` over a datastore of 20,000 vectors) of
@@ -576,28 +515,21 @@ if on_gpu:
         "s", device, note="8 chained 4096x4096 matmuls, then a CPU k-NN search")
 model_floor = predict.kernel_seconds(2 * 4096**3, 3 * 4 * 4096**2, "h100_sxm",
                                      launches=8)
-for fig in reference.show("02.stage_timing", unit="s", figures=[model_floor]):
-    if fig.kind == "predicted":
-        print(f"    the model stage (8 matmuls) needs about "
-              f"{format_seconds(fig.value)} on that GPU: a timer that shows less "
-              "timed the launches, not the work")
-        continue
-    for how, t in fig.value.items():
-        print(f"    {how:<24}: model {t['model'] * 1e3:7.2f} ms, "
-              f"search {t['search'] * 1e3:7.2f} ms")
-knn_slow = reference.published("martins2022_chunk_knnmt.knnmt_decoding_slowdown")
-print(f"end to end, kNN-MT decodes about {knn_slow.value}{knn_slow.unit} slower "
-      f"than the model alone - {knn_slow.label}")
+roofline.show("02.stage_timing", unit="s", figures=[
+    model_floor, reference.published("martins2022_chunk_knnmt.knnmt_decoding_slowdown")],
+    lines=lambda f: [f"{how:<24}: model {t['model'] * 1e3:7.2f} ms, search "
+                     f"{t['search'] * 1e3:7.2f} ms" for how, t in f.value.items()]
+    if f.kind == "recorded" else []);
 
 # %% [markdown]
-# Compare the two lines of each device. Without the wait, the model looks
-# almost free and the search carries the model's time as well; with it, each
-# stage gets its own. The total is about the same: the naive timer did not
-# lose the GPU's time, it charged it to the wrong stage. To time stages
-# without slowing the program down, record CUDA events between the stages
-# on the stream (`start.record()`, ..., `end.record()`, then
-# `start.elapsed_time(end)` once at the end), or use `torch.profiler`, which
-# reports each kernel's GPU time under the operation that launched it.
+# The predicted line is the GPU time of the model stage (8 matmuls): a stage
+# timer that shows less timed the launches. Compare the two lines of each
+# device. Without the wait, the model looks almost free and the search carries
+# the model's time as well; with it, each stage gets its own. The total is
+# about the same: the naive timer charged the GPU's time to the wrong stage.
+# To time stages without slowing the program down, record CUDA events between
+# them (Exercise 2.3 builds that), or use `torch.profiler`, which reports each
+# kernel's GPU time under the operation that launched it.
 #
 # ### An error that shows up lines later: `CUDA_LAUNCH_BLOCKING=1`
 #
@@ -608,12 +540,10 @@ print(f"end to end, kNN-MT decodes about {knn_slow.value}{knn_slow.unit} slower 
 # the traceback points at an innocent line. Setting the environment variable
 # `CUDA_LAUNCH_BLOCKING=1` (before the process initialises CUDA) makes every
 # launch wait for its kernel, so the error is raised at the line that caused
-# it. It removes every overlap of CPU and GPU and slows everything down: it is
-# for debugging, never for measuring. (For memory errors, NVIDIA's
-# `compute-sanitizer` names the kernel and the faulty address.) A device-side
-# error also leaves the process's CUDA context unusable: a notebook has to be
-# restarted. That is why the demonstration below runs in a fresh Python
-# process, once without and once with the variable.
+# it. It removes every overlap of CPU and GPU: it is for debugging, never for
+# measuring. A device-side error also leaves the process's CUDA context
+# unusable, so the demonstration below runs in a fresh Python process, once
+# without and once with the variable.
 #
 # On a CPU the same mistake is an ordinary, synchronous error, raised at its
 # line:
@@ -636,23 +566,8 @@ print("sum:", z.sum().item())            # the first line that waits
 """
 
 
-def where_the_error_shows(blocking):
-    """Run ASYNC_ERROR in a fresh process; the line its traceback points at."""
-    with tempfile.TemporaryDirectory(prefix="ch02-") as folder:
-        path = Path(folder) / "async_error.py"
-        path.write_text(ASYNC_ERROR)
-        env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1" if blocking else "0"}
-        proc = subprocess.run([sys.executable, str(path)], env=env,
-                              capture_output=True, text=True, timeout=120)
-    lines = re.findall(r'File ".*async_error\.py", line (\d+)', proc.stderr)
-    if proc.returncode == 0 or not lines:
-        return f"no error reported (exit code {proc.returncode})"
-    n = int(lines[-1])
-    return f"line {n}: {ASYNC_ERROR.splitlines()[n - 1].split('#')[0].strip()}"
-
-
 if on_gpu:
-    reported = {f"CUDA_LAUNCH_BLOCKING={int(b)}": where_the_error_shows(b)
+    reported = {f"CUDA_LAUNCH_BLOCKING={int(b)}": roofline.error_line(ASYNC_ERROR, b)
                 for b in (False, True)}
     for k, v in reported.items():
         print(f"{k}: the error is reported at {v}")
@@ -666,9 +581,8 @@ documented = reference.predicted(
     "line of the traceback", "any CUDA GPU",
     "PyTorch docs, CUDA semantics (asynchronous execution): errors surface at the "
     "next synchronising call unless CUDA_LAUNCH_BLOCKING=1 makes launches wait")
-for fig in reference.show("02.launch_blocking", figures=[documented]):
-    for k, v in fig.value.items():
-        print(f"    {k}: the error is reported at {v}")
+roofline.show("02.launch_blocking", figures=[documented], lines=lambda f: [
+    f"{k}: the error is reported at {v}" for k, v in f.value.items()]);
 
 # %% [markdown]
 # What to look for on a GPU: without the variable the traceback points at the
@@ -724,11 +638,10 @@ for dev, n in [(torch.device("cpu"), 256)] + ([(device, 2048)] if on_gpu else []
 # %% [markdown]
 # On a quiet machine every ratio is within a few percent of 1. On a loaded one
 # single rounds wander, because a burst of load elsewhere hits one tool's turn
-# and not the others'; the fastest round of each tool is the steadier comparison,
-# since load can only add time. `Benchmark` - one block, so one mean - wanders
-# most: that is why `bench` repeats runs and reports the median. With a GPU the
-# comparison also runs there, where it matters: all three tools wait for the
-# GPU, so they agree there too, which the seed's timer would not.
+# and not the others'; the fastest round of each tool is the steadier
+# comparison, since load can only add time. `Benchmark` - one block, so one
+# mean - wanders most: that is why `bench` repeats runs and reports the
+# median. With a GPU all three also wait for the GPU, so they agree there too.
 #
 # ## 3. Where the CPU wins and where the GPU wins
 #
@@ -764,50 +677,16 @@ if on_gpu:
                      note="1000 a += a, time.time(), no sync, no warm-up")
 
 # %% [markdown]
-# Without a GPU, the plot shows GPU curves of two other kinds: the calibrated
-# *prediction* for an H100 (the launch cost or the time the memory needs,
-# whichever is larger),
-# and the seed's own GPU measurement, *published* in its post (1000 steps,
-# `time.time()`, no synchronize). The seed's line does not follow the work,
-# because it timed launches - and the creation and copy of the tensor that sat
-# inside its timer. Recorded GPU curves join them where a GPU has recorded one.
+# Beside the curves measured here, the plot draws the calibrated *prediction*
+# for an H100 (the launch cost or the time the memory needs, whichever is
+# larger) and the seed's own GPU measurement (*published*, taken the seed's
+# way: `time.time()`, no synchronize), plus GPU curves *recorded* by this
+# course where there are any. The seed's line does not follow the work: it
+# timed launches.
 
 # %%
-def scaled(s, label, factor=1000):
-    def times(values):
-        return None if values is None else [v * factor for v in values]
-    return Sweep(label, list(s.sizes), times(s.median), times(s.iqr),
-                 times(s.low), times(s.high))
-
-
-shown = [scaled(s, s.label) for s in curves]
-floor_curve = reference.predicted(
-    {"x": gpu_sizes, "y": [doubling_floor(s) for s in gpu_sizes]}, "s",
-    predict.gpu_name("h100_sxm"),
-    "calibrated: 1000 x max(launch cost, (read + write n x n float32) / achieved "
-    "HBM bandwidth); small sizes uncalibrated (no published launch loop agrees "
-    "within 2x)", [*predict.LAUNCH_INPUTS, *predict.MEMORY_EFFICIENCY_INPUTS])
-gpu_figs = reference.show("02.doubling_sweep_gpu", unit="s",
-                          figures=[floor_curve, seed_gpu])
-for fig in gpu_figs:
-    if fig.kind == "recorded" and not on_gpu:
-        v = fig.value
-        shown.append(scaled(Sweep("", v["sizes"], v["median"], v["iqr"],
-                                  v.get("low"), v.get("high")), fig.legend))
-ax = plot_time_vs_size(shown, xlabel="tensor size n (n x n float32)",
-                       ylabel="time for 1000 doublings (s)",
-                       title="a += a, 1000 times: synchronised median x 1000")
-ax.plot(*curve_xy(floor_curve.value), color="tab:green", label=floor_curve.legend,
-        **plots.figure_style("predicted"))
-ax.plot(*curve_xy(seed_gpu.value), color="black",
-        label=seed_gpu.legend + " (the seed's way: no sync)",
-        **plots.figure_style("published"))
-if on_gpu:
-    ax.plot(gpu_sizes, seed_style, "k--", marker="x", label="GPU, seed's way (no sync)")
-for fig in ([] if on_gpu else reference.recorded("02.seed_style_sweep_gpu")):
-    ax.plot(fig.value["sizes"], fig.value["seconds"], color="gray", marker="x",
-            label=f"{fig.legend}, seed's way (no sync)")
-ax.legend(fontsize=7, loc="upper left")
+ax = roofline.plot_doubling_sweep(curves, gpu_sizes, seed_gpu,
+                                  seed_style if on_gpu else None)
 plt.show()
 
 # %% [markdown]
@@ -821,30 +700,7 @@ plt.show()
 # bandwidth ratio from the prediction:
 
 # %%
-gpu_curve = (gpu_sweep.sizes, gpu_sweep.median) if on_gpu else None
-for e in ([] if on_gpu else reference.lookup("02.doubling_sweep_gpu")):
-    gpu_curve = (e["value"]["sizes"], e["value"]["median"])
-if gpu_curve is None:
-    n_big = cpu_sizes[-1]
-    cpu_big = cpu_sweep.median[-1]
-    gpu_big = doubling_floor(n_big, steps=1)
-    print("no measured or recorded GPU curve: the crossing depends on a GPU's "
-          "launch cost, the part of the prediction no published measurement "
-          "supports within 2x (see the caveat above).")
-    print(f"at n = {n_big}: CPU here {format_seconds(cpu_big)} per step, H100 "
-          f"predicted {format_seconds(gpu_big)} (memory-bound): "
-          f"{cpu_big / gpu_big:.0f}x, the ratio of the two memory bandwidths - the "
-          "most a larger size can give")
-else:
-    gpu_at = dict(zip(*gpu_curve, strict=True))
-    common = [s for s in cpu_sizes if s in gpu_at]
-    faster = [s for s in common if gpu_at[s] < cpu_sweep.median[cpu_sizes.index(s)]]
-    print("CPU faster at n =", [s for s in common if s not in faster])
-    print("GPU faster at n =", faster)
-    if common:
-        s = common[-1]
-        print(f"at n = {s}: GPU {cpu_sweep.median[cpu_sizes.index(s)] / gpu_at[s]:.1f}x"
-              " faster than one CPU thread")
+roofline.crossing(cpu_sweep, (gpu_sweep.sizes, gpu_sweep.median) if on_gpu else None)
 
 # %% [markdown]
 # ## 4. Sync traps in a training loop
@@ -931,13 +787,10 @@ overlap = reference.predicted(
     "launching (CPU) and computing (GPU) overlap without the per-step read and "
     "add up with it: ratio = (launch + compute) / max(launch, compute), at most 2, "
     "reached when the two are equal")
-for fig in reference.show("02.item_per_step", figures=[overlap]):
-    if fig.kind == "predicted":
-        continue
-    v = fig.value
-    print(f"    .item() every step: {v['epoch_item_every_step'] * 1e6:.1f} us/step, "
-          f"sync once: {v['epoch_sync_once'] * 1e6:.1f} us/step, ratio "
-          f"{v['epoch_item_every_step'] / v['epoch_sync_once']:.2f}")
+roofline.show("02.item_per_step", figures=[overlap], lines=lambda f: [
+    ".item() every step / sync once: "
+    f"{f.value['epoch_item_every_step'] / f.value['epoch_sync_once']:.2f}"]
+    if f.kind == "recorded" else []);
 
 # %% [markdown]
 # ### `total_loss += loss` keeps every graph alive
@@ -1039,23 +892,18 @@ if on_gpu:
     print(f"{device}:", ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in gpu_soft.items()),
           f"| dim=0 / dim=-1 = {gpu_soft['dim=0'] / gpu_soft['dim=-1']:.2f}")
     reference.record("02.softmax_16384", gpu_soft, "s", device)
-seed_soft = reference.published("seed003.softmax_dim_seconds")
-for fig in reference.show("02.softmax_16384", figures=[seed_soft]):
-    v = fig.value
-    if fig.kind == "published":  # the seed's 50000 x 50000, four runs
-        ratios = [r["dim0_s"] / r["dim_last_s"] for r in v]
-        print(f"    50000 x 50000, {len(v)} runs: dim=0 / dim=-1 = "
-              + ", ".join(f"{r:.2f}" for r in ratios))
-    else:
-        print(f"    16384 x 16384: dim=0 / dim=-1 = {v['dim=0'] / v['dim=-1']:.2f}")
+roofline.show("02.softmax_16384", figures=[
+    reference.published("seed003.softmax_dim_seconds")], lines=lambda f: [
+    "50000 x 50000 (the seed's runs): dim=0 / dim=-1 = "
+    + ", ".join(f"{r['dim0_s'] / r['dim_last_s']:.2f}" for r in f.value)]
+    if f.kind == "published" else
+    [f"16384 x 16384: dim=0 / dim=-1 = {f.value['dim=0'] / f.value['dim=-1']:.2f}"]);
 
 # %% [markdown]
 # Read the printed ratio: above 1, the strided reduction is slower on that
-# device (how much depends on the device and the size: PyTorch's kernels try
-# hard to hide strides). The transposed view is no shortcut: PyTorch's softmax
-# first makes a non-contiguous input contiguous, which copies the data into the
-# view's row-major order - a copy, and then the same strided reduction as
-# `dim=0` on `X`. The seed's rule "reduce over the last dimension" is really a
+# device (how much depends on the device and the size). The transposed view is
+# no shortcut: softmax first makes a non-contiguous input contiguous - a copy -
+# and then does the same strided reduction as `dim=0` on `X`. The seed's rule "reduce over the last dimension" is really a
 # rule about memory: lay data out so the reduced dimension is the contiguous one
 # (the last, for a tensor created normally), rather than transposing later.
 #
@@ -1137,45 +985,20 @@ for _, flops, n in cpu_points["add"]:
           f"{flops * 12 / cpu_bw:.0%} of the measured copy bandwidth")
 
 # %% [markdown]
-# On a GPU the same points are measured. Its peaks are data-sheet figures,
-# computed from what the device reports (`torch.cuda.get_device_properties`: SM
-# count, clock, memory clock and bus width; pycuda's attributes where an older
-# torch lacks them) and the float32 units per SM from the CUDA programming
-# guide's throughput table: SMs x units x 2 x clock, and 2 (double data rate) x
-# memory clock x bus width. Where they are unavailable, the measured copy
-# bandwidth stands in, the compute roof is left out, and the plot says so. The
-# compute roof is that of the ordinary float32 units: tensor cores (TF32, bf16)
-# have far higher roofs, but PyTorch keeps float32 matmuls off them unless told
-# otherwise (`torch.get_float32_matmul_precision()` is `'highest'` by default).
+# On a GPU the same points are measured. Its peaks are data-sheet figures
+# computed from what the device reports (SM count, clock, memory clock and bus
+# width) and the float32 units per SM from the CUDA programming guide's
+# throughput table (`roofline.gpu_peaks`); where they are unavailable, the
+# measured copy bandwidth stands in. The compute roof is that of the ordinary
+# float32 units: tensor cores (TF32, bf16) have far higher roofs, but PyTorch
+# keeps float32 matmuls off them unless told otherwise
+# (`torch.get_float32_matmul_precision()` is `'highest'` by default). The
+# published H100 datasheet roofs are drawn in grey.
 
 # %%
-def gpu_peaks(dev):
-    """(peak float32 FLOP/s, peak bytes/s, where they come from) for GPU `dev`."""
-    props = torch.cuda.get_device_properties(dev)
-    clock_khz = getattr(props, "clock_rate", 0)
-    mem_khz = getattr(props, "memory_clock_rate", 0)
-    bus_bits = getattr(props, "memory_bus_width", 0)
-    source = "torch.cuda.get_device_properties"
-    if not (clock_khz and mem_khz and bus_bits):  # an older torch: ask pycuda
-        facts = pycuda_facts()
-        if isinstance(facts, str):
-            return None, None, facts
-        attrs = facts[dev.index or 0]["attributes"]
-        clock_khz, mem_khz = attrs.get("CLOCK_RATE"), attrs.get("MEMORY_CLOCK_RATE")
-        bus_bits = attrs.get("GLOBAL_MEMORY_BUS_WIDTH")
-        source = "pycuda device attributes"
-    lanes = FP32_LANES_PER_SM.get((props.major, props.minor))  # Chapter 1's table
-    sms = props.multi_processor_count
-    flops = sms * lanes * 2 * clock_khz * 1e3 if lanes and clock_khz else None
-    bw = 2 * mem_khz * 1e3 * bus_bits / 8 if mem_khz and bus_bits else None
-    if flops is None and bw is None:
-        return None, None, f"{source} gave no clock or bus width"
-    return flops, bw, f"data-sheet peaks from {source}"
-
-
 gpu_roof = None
 if on_gpu:
-    g_peak, g_bw_peak, g_how = gpu_peaks(device)
+    g_peak, g_bw_peak, g_how = roofline.gpu_peaks(device)
     g_bw = copy_bandwidth(device, 1 << 28)
     g_points = roofline_points(device, [256, 1024, 4096, 8192],
                                [1 << 16, 1 << 22, 1 << 28])
@@ -1186,56 +1009,13 @@ if on_gpu:
           "| memory", "unknown" if g_bw_peak is None else f"{g_bw_peak / 1e9:.0f} GB/s")
     reference.record("02.roofline_gpu", gpu_roof, "FLOP/s", device,
                      note="float32; points are [FLOP/byte, FLOP/s, n]")
-h100_peak = reference.published("h100_sxm.fp32_tflops")
-h100_bw = reference.published("h100_sxm.memory_bandwidth_gbps")
-for fig in reference.show("02.roofline_gpu", figures=[h100_peak, h100_bw]):
+    gpu_roof["label"] = torch.cuda.get_device_name(device)
+h100 = (reference.published("h100_sxm.fp32_tflops"),
+        reference.published("h100_sxm.memory_bandwidth_gbps"))
+for fig in roofline.show("02.roofline_gpu", figures=h100):
     if fig.kind == "recorded" and gpu_roof is None:
         gpu_roof = dict(fig.value, label=fig.legend)
-
-# %%
-def draw_roofline(ax, peak, bw, color, label, bw_note):
-    if peak is None:  # the bandwidth roof alone, over the elementwise region
-        xs = [2.0**k for k in range(-6, 3)]
-    else:  # both roofs, through the ridge point where they meet
-        xs = sorted([*(2.0**k for k in range(-6, 12)), peak / bw])
-    ax.plot(xs, [bw * x for x in xs] if peak is None else [min(peak, bw * x) for x in xs],
-            color=color, lw=1.5, label=f"{label} roof ({bw_note})")
-
-
-fig, ax = plt.subplots(figsize=(7.5, 4.8))
-draw_roofline(ax, cpu_peak, cpu_bw, "tab:blue", "CPU",
-              "peak estimated for 1 FMA unit, bandwidth measured")
-ax.hlines(2 * cpu_peak, 2 * cpu_peak / cpu_bw, 2.0**11, color="tab:blue", lw=1,
-          linestyles="dashed", label="CPU peak if 2 FMA units (estimate)")
-for kind, marker in (("matmul", "o"), ("add", "s")):
-    pts = cpu_points[kind]
-    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", marker=marker,
-               label=f"CPU {kind} (here)")
-    for intensity, flops, n in pts:
-        ax.annotate(f"{n}", (intensity, flops), fontsize=7, xytext=(4, -3),
-                    textcoords="offset points")
-if gpu_roof is not None:
-    label = gpu_roof.get("label", f"{torch.cuda.get_device_name(device) if on_gpu else ''}")
-    peak, bw = gpu_roof["peak_flops"], gpu_roof["peak_bw"] or gpu_roof["copy_bw"]
-    note = (gpu_roof["peaks_from"] if gpu_roof["peak_bw"] else
-            "bandwidth: copy measured" + ("" if peak else "; compute peak unknown"))
-    draw_roofline(ax, peak, bw, "tab:green", "GPU", note)
-    for kind, marker in (("matmul", "o"), ("add", "s")):
-        pts = gpu_roof["points"][kind]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:green",
-                   marker=marker, label=f"GPU {kind}: {label}")
-        for intensity, flops, n in pts:
-            ax.annotate(f"{n}", (intensity, flops), fontsize=7, xytext=(4, -3),
-                        textcoords="offset points", color="tab:green")
-draw_roofline(ax, h100_peak.value * 1e12, h100_bw.value * 1e9, "tab:gray",
-              f"{h100_peak.device}", "published datasheet peaks")
-ax.set_xscale("log", base=2)
-ax.set_yscale("log")
-ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
-ax.set_ylabel("achieved FLOP/s (float32)")
-ax.set_title("Roofline: measured matmul and add against the peaks")
-ax.grid(True, which="both", alpha=0.3)
-ax.legend(fontsize=7, loc="lower right")
+roofline.plot_roofline(cpu_peak, cpu_bw, cpu_points, gpu_roof, published=h100)
 plt.show()
 
 # %% [markdown]
@@ -1373,40 +1153,54 @@ from course_utils.checks.ch02 import check_run_epoch
 check_run_epoch(run_epoch)
 
 # %% [markdown]
-# ### Exercise 2.3: which roof?
+# ### Exercise 2.3: time the stages with events, waiting once
 #
-# Write `roofline_verdicts(points, peak_flops, bandwidth)`. `points` is a list
-# of measured kernels `(flop, nbytes, seconds)`: the floating-point operations
-# a kernel did, the bytes it had to move, and the time it took, on a device
-# whose arithmetic peak is `peak_flops` (FLOP/s) and memory bandwidth
-# `bandwidth` (bytes/s). Return, for each point, a pair `(bound, fraction)`:
+# Section 2 timed the stages of a pipeline with the host's clock, which needs
+# a wait at every stage boundary - and each wait stops Python from queueing
+# the next stage while the device works. CUDA events avoid that: an event
+# recorded between two stages is queued like a kernel and stamped by the
+# device when it gets there, so the host can wait once and read every stage's
+# time afterwards.
 #
-# - `bound` is `"compute"` when the kernel's arithmetic intensity (FLOP per
-#   byte) is at or above the ridge point `peak_flops / bandwidth`, else
-#   `"memory"`: which roof limits it;
-# - `fraction` is how close it came to that roof: the least time the roofline
-#   allows, `max(flop / peak_flops, nbytes / bandwidth)`, over the measured
-#   time (1 means at the roof).
+# Write `time_with_events(stages, new_event, sync, rounds=5)`. `stages` is a
+# list of `(name, fn)` pairs to run in that order; each `fn()` queues its
+# work on the device and returns at once, and its first call is slow.
+# `new_event()` makes an event with `.record()` and `start.elapsed_time(end)`
+# (milliseconds, and only once the device has reached both events);
+# `sync()` waits for the device. Return `{name: seconds}`: each stage's own
+# time per run, the median over `rounds` rounds after one warm-up round,
+# waiting for the device at most twice per round. On a GPU you would call
+# `time_with_events(stages, lambda: torch.cuda.Event(enable_timing=True),
+# torch.cuda.synchronize)`.
 #
-# The checker uses kernels timed on this machine and kernels around the ridge
-# of published GPUs, one exactly on it, and a copy that does no arithmetic.
+# The checker runs pipelines of 2, 3 and 4 stages on a stand-in device whose
+# worker thread stamps the events, with stage costs it picks and changes
+# between calls. It names the mistakes: a stage timed from the start of the
+# round, milliseconds returned as seconds, a total over rounds, the slow first
+# calls counted, a wait at every boundary, and events read too early.
 
 # %% tags=["exercise"] exercise="2.3"
-def roofline_verdicts(points, peak_flops, bandwidth):
+def time_with_events(stages, new_event, sync, rounds=5):
     ### BEGIN SOLUTION
-    ridge = peak_flops / bandwidth
-    verdicts = []
-    for flop, nbytes, seconds in points:
-        bound = "compute" if flop / nbytes >= ridge else "memory"
-        least = max(flop / peak_flops, nbytes / bandwidth)
-        verdicts.append((bound, least / seconds))
-    return verdicts
+    times = {name: [] for name, _ in stages}
+    for r in range(rounds + 1):  # round 0 is the warm-up
+        events = [new_event() for _ in range(len(stages) + 1)]
+        events[0].record()
+        for (_, fn), end in zip(stages, events[1:], strict=True):
+            fn()
+            end.record()  # queued behind the stage's work: no wait here
+        sync()  # once per round
+        if r > 0:
+            for (name, _), start, end in zip(stages, events[:-1], events[1:],
+                                             strict=True):
+                times[name].append(start.elapsed_time(end) / 1e3)  # ms -> s
+    return {name: statistics.median(ts) for name, ts in times.items()}
     ### END SOLUTION
 
 # %% tags=["check"] exercise="2.3"
-from course_utils.checks.ch02 import check_roofline_verdicts
+from course_utils.checks.ch02 import check_time_with_events
 
-check_roofline_verdicts(roofline_verdicts)
+check_time_with_events(time_with_events)
 
 # %% [markdown]
 # ## Glossary

@@ -18,8 +18,8 @@ import torch
 
 from course_utils.checks.ch02 import (
     check_measure,
-    check_roofline_verdicts,
     check_run_epoch,
+    check_time_with_events,
 )
 from course_utils.exercises import ExerciseFailed
 
@@ -378,113 +378,275 @@ def test_run_epoch_names_the_mistake(run_epoch, words, capsys):
 # --- Exercise 2.3 ---------------------------------------------------------------
 
 
-def verdicts_ratio(points, peak_flops, bandwidth):
-    ridge = peak_flops / bandwidth
-    return [("compute" if f / b >= ridge else "memory",
-             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+def events_median(stages, new_event, sync, rounds=5):
+    times = {name: [] for name, _ in stages}
+    for r in range(rounds + 1):
+        marks = [new_event() for _ in range(len(stages) + 1)]
+        marks[0].record()
+        for (_, fn), end in zip(stages, marks[1:], strict=True):
+            fn()
+            end.record()
+        sync()
+        if r:
+            for (name, _), a, b in zip(stages, marks, marks[1:], strict=False):
+                times[name].append(a.elapsed_time(b) / 1000)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
-def verdicts_roof(points, peak_flops, bandwidth):  # achieved over the roof
-    out = []
-    for flop, nbytes, seconds in points:
-        if flop == 0:  # a copy: only the bandwidth roof
-            out.append(("memory", nbytes / seconds / bandwidth))
-            continue
-        intensity = flop / nbytes
-        roof = min(peak_flops, intensity * bandwidth)
-        out.append(("compute" if roof == peak_flops else "memory",
-                    flop / seconds / roof))
-    return out
+def events_end_synchronize(stages, new_event, sync, rounds=5):
+    # waits on the last event instead of the whole device; a list of pairs
+    names = [n for n, _ in stages]
+    per_round = []
+    for _ in range(rounds + 1):
+        ev = [new_event()]
+        ev[0].record()
+        for _, fn in stages:
+            fn()
+            e = new_event()
+            e.record()
+            ev.append(e)
+        ev[-1].synchronize()
+        per_round.append([ev[k].elapsed_time(ev[k + 1]) * 1e-3
+                          for k in range(len(names))])
+    kept = per_round[1:]
+    return {n: float(np.median([row[k] for row in kept]))
+            for k, n in enumerate(names)}
 
 
-def verdicts_cross_multiplied(points, peak_flops, bandwidth):
-    return [["compute" if f * bandwidth >= peak_flops * b else "memory",
-             np.float64(max(f / peak_flops, b / bandwidth) / t)]
-            for f, b, t in points]
+class StageTimer:  # a class, events reused round after round
+    def __init__(self, warmup=2):
+        self.warmup = warmup
+
+    def __call__(self, stages, new_event, sync, rounds=5):
+        marks = [new_event() for _ in range(len(stages) + 1)]
+        samples = {name: [] for name, _ in stages}
+        for r in range(self.warmup + rounds):
+            sync()  # a second wait per round is allowed
+            marks[0].record()
+            for k, (_, run) in enumerate(stages):
+                run()
+                marks[k + 1].record()
+            sync()
+            if r >= self.warmup:
+                for k, (name, _) in enumerate(stages):
+                    samples[name].append(marks[k].elapsed_time(marks[k + 1]) / 1e3)
+        return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
-class Roofline:  # a class
-    def __call__(self, points, peak_flops, bandwidth):
-        return tuple(self.one(p, peak_flops, bandwidth) for p in points)
+def events_mean_after_warmup(stages, new_event, sync, rounds=6):
+    for _, fn in stages:  # warm every stage up first, on its own
+        fn()
+    sync()
+    total = dict.fromkeys((n for n, _ in stages), 0.0)
+    for _ in range(rounds):
+        start = new_event()
+        start.record()
+        ends = []
+        for _, fn in stages:
+            fn()
+            ends.append(new_event())
+            ends[-1].record()
+        sync()
+        prev = start
+        for (name, _), end in zip(stages, ends, strict=True):
+            total[name] += prev.elapsed_time(end)
+            prev = end
+    return {n: torch.tensor(t / rounds / 1e3) for n, t in total.items()}
 
-    @staticmethod
-    def one(point, peak, bw):
-        flop, nbytes, seconds = point
-        t_compute, t_memory = flop / peak, nbytes / bw
-        return ("compute" if t_compute >= t_memory else "memory",
-                max(t_compute, t_memory) / seconds)
+
+def events_median_no_warmup(stages, new_event, sync, rounds=7):
+    # no warm-up round: the median leaves the slow first round out
+    times = {name: [] for name, _ in stages}
+    for _ in range(rounds):
+        ev = [new_event() for _ in range(len(stages) + 1)]
+        ev[0].record()
+        for (_, fn), e in zip(stages, ev[1:], strict=True):
+            fn()
+            e.record()
+        sync()
+        for k, (name, _) in enumerate(stages):
+            times[name].append(ev[k].elapsed_time(ev[k + 1]) / 1e3)
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
-@pytest.mark.parametrize("fn", [verdicts_ratio, verdicts_roof,
-                                verdicts_cross_multiplied, Roofline()])
-def test_roofline_accepts_right_answers(fn, capsys):
-    check_roofline_verdicts(fn)
+@pytest.mark.parametrize("fn", [events_median, events_end_synchronize, StageTimer(),
+                                events_mean_after_warmup, events_median_no_warmup])
+def test_time_with_events_accepts_right_answers(fn, capsys):
+    check_time_with_events(fn)
     assert "Exercise 2.3 passed" in capsys.readouterr().out
 
 
-def wrong_ridge_inverted(points, peak_flops, bandwidth):
-    ridge = bandwidth / peak_flops
-    return [("compute" if f / b >= ridge else "memory",
-             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+def wrong_host_clock(stages, new_event, sync, rounds=5):  # times the queueing
+    times = {name: [] for name, _ in stages}
+    for _ in range(rounds + 1):
+        for name, fn in stages:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        sync()
+    return {n: statistics.median(v[1:]) for n, v in times.items()}
 
 
-def wrong_strictly_above(points, peak_flops, bandwidth):
-    ridge = peak_flops / bandwidth
-    return [("compute" if f / b > ridge else "memory",
-             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+def wrong_sync_every_stage(stages, new_event, sync, rounds=5):  # right numbers
+    times = {name: [] for name, _ in stages}
+    for _ in range(rounds + 1):
+        for name, fn in stages:
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(v[1:]) for n, v in times.items()}
 
 
-def wrong_one_flop_per_byte(points, peak_flops, bandwidth):  # a fixed ridge
-    return [("compute" if f > b else "memory",
-             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+def wrong_milliseconds(stages, new_event, sync, rounds=5):
+    got = events_median(stages, new_event, sync, rounds)
+    return {n: v * 1000 for n, v in got.items()}
 
 
-def wrong_fraction_of_peak(points, peak_flops, bandwidth):
-    return [("compute" if f / b >= peak_flops / bandwidth else "memory",
-             f / t / peak_flops) for f, b, t in points]
+def wrong_from_round_start(stages, new_event, sync, rounds=5):
+    times = {name: [] for name, _ in stages}
+    for r in range(rounds + 1):
+        start = new_event()
+        start.record()
+        ends = []
+        for _, fn in stages:
+            fn()
+            ends.append(new_event())
+            ends[-1].record()
+        sync()
+        if r:
+            for (name, _), end in zip(stages, ends, strict=True):
+                times[name].append(start.elapsed_time(end) / 1e3)
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
-def wrong_fraction_inverted(points, peak_flops, bandwidth):
-    return [("compute" if f / b >= peak_flops / bandwidth else "memory",
-             t / max(f / peak_flops, b / bandwidth)) for f, b, t in points]
+def wrong_total_of_rounds(stages, new_event, sync, rounds=5):
+    times = {name: 0.0 for name, _ in stages}
+    for r in range(rounds + 1):
+        ev = [new_event() for _ in range(len(stages) + 1)]
+        ev[0].record()
+        for (_, fn), e in zip(stages, ev[1:], strict=True):
+            fn()
+            e.record()
+        sync()
+        if r:
+            for k, (name, _) in enumerate(stages):
+                times[name] += ev[k].elapsed_time(ev[k + 1]) / 1e3
+    return times
 
 
-def wrong_min_not_max(points, peak_flops, bandwidth):
-    return [("compute" if f / b >= peak_flops / bandwidth else "memory",
-             min(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+def wrong_mean_no_warmup(stages, new_event, sync, rounds=4):
+    times = {name: [] for name, _ in stages}
+    for _ in range(rounds):
+        ev = [new_event() for _ in range(len(stages) + 1)]
+        ev[0].record()
+        for (_, fn), e in zip(stages, ev[1:], strict=True):
+            fn()
+            e.record()
+        sync()
+        for k, (name, _) in enumerate(stages):
+            times[name].append(ev[k].elapsed_time(ev[k + 1]) / 1e3)
+    return {n: statistics.mean(v) for n, v in times.items()}
 
 
-def wrong_by_achieved_rate(points, peak_flops, bandwidth):  # judges the speed
-    return [("compute" if f / t >= 0.5 * peak_flops else "memory",
-             max(f / peak_flops, b / bandwidth) / t) for f, b, t in points]
+def wrong_reads_before_waiting(stages, new_event, sync, rounds=5):
+    times = {name: [] for name, _ in stages}
+    for _ in range(rounds + 1):
+        for name, fn in stages:
+            a, b = new_event(), new_event()
+            a.record()
+            fn()
+            b.record()
+            times[name].append(a.elapsed_time(b) / 1e3)  # not reached yet
+        sync()
+    return {n: statistics.median(v[1:]) for n, v in times.items()}
 
 
-def wrong_bound_only(points, peak_flops, bandwidth):
-    return ["compute" if f / b >= peak_flops / bandwidth else "memory"
-            for f, b, t in points]
+def wrong_one_round(stages, new_event, sync, rounds=5):  # one run, no warm-up
+    ev = [new_event() for _ in range(len(stages) + 1)]
+    ev[0].record()
+    for (_, fn), e in zip(stages, ev[1:], strict=True):
+        fn()
+        e.record()
+    sync()
+    return {name: ev[k].elapsed_time(ev[k + 1]) / 1e3
+            for k, (name, _) in enumerate(stages)}
 
 
-def wrong_short(points, peak_flops, bandwidth):  # forgets the last point
-    return verdicts_ratio(points[:-1], peak_flops, bandwidth)
+def wrong_reversed(stages, new_event, sync, rounds=5):
+    return events_median(stages[::-1], new_event, sync, rounds)
 
 
-def wrong_words(points, peak_flops, bandwidth):
-    return [("compute-bound" if v[0] == "compute" else "memory-bound", v[1])
-            for v in verdicts_ratio(points, peak_flops, bandwidth)]
+def wrong_list(stages, new_event, sync, rounds=5):
+    return list(events_median(stages, new_event, sync, rounds).values())
+
+
+def wrong_constant(stages, new_event, sync, rounds=5):  # a guess, written down
+    events_median(stages, new_event, sync, rounds)
+    return {n: 0.02 for n, _ in stages}
+
+
+_CACHE: dict = {}
+
+
+def wrong_cached(stages, new_event, sync, rounds=5):  # results kept between calls
+    key = tuple(n for n, _ in stages)
+    if key not in _CACHE:
+        _CACHE[key] = events_median(stages, new_event, sync, rounds)
+    else:  # still runs the stages, to look busy
+        for _ in range(rounds + 1):
+            for _, fn in stages:
+                fn()
+            sync()
+    return _CACHE[key]
+
+
+def wrong_event_before_call(stages, new_event, sync, rounds=5):
+    # the end event is recorded before the stage is called: each time is the
+    # previous stage's work
+    times = {name: [] for name, _ in stages}
+    for r in range(rounds + 1):
+        ev = [new_event() for _ in range(len(stages) + 1)]
+        ev[0].record()
+        for (_, fn), e in zip(stages, ev[1:], strict=True):
+            e.record()
+            fn()
+        sync()
+        if r:
+            for k, (name, _) in enumerate(stages):
+                times[name].append(ev[k].elapsed_time(ev[k + 1]) / 1e3)
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
 @pytest.mark.parametrize("fn, words", [
-    (wrong_ridge_inverted, ["ridge point"]),
-    (wrong_strictly_above, ["exactly at the ridge"]),
-    (wrong_one_flop_per_byte, ["ridge point"]),
-    (wrong_fraction_of_peak, ["fraction of the roof", "min(peak"]),
-    (wrong_fraction_inverted, ["not its inverse"]),
-    (wrong_min_not_max, ["fraction of the roof"]),
-    (wrong_by_achieved_rate, ["ridge point"]),
-    (wrong_bound_only, ["a pair (bound, fraction)"]),
-    (wrong_short, ["one (bound, fraction) pair per point"]),
-    (wrong_words, ['"compute" or "memory"']),
+    (wrong_host_clock, ["less than the stage's work", "record an event"]),
+    (wrong_sync_every_stage, ["one at every stage boundary"]),
+    (wrong_milliseconds, ["MILLISECONDS"]),
+    (wrong_from_round_start, ["since the round began"]),
+    (wrong_total_of_rounds, ["the total of 5 rounds"]),
+    (wrong_mean_no_warmup, ["more than the stage's work", "warm up"]),
+    (wrong_reads_before_waiting, ["RuntimeError", "wait first"]),
+    (wrong_one_round, ["at least 3 times"]),
+    (wrong_reversed, ["in the order given"]),
+    (wrong_list, ["a dict {stage name: seconds}"]),
+    (wrong_constant, ["for stage"]),
+    (wrong_cached, ["measured afresh"]),
+    (wrong_event_before_call, ["record each stage's end event right after"]),
     (placeholder, ["placeholder"]),
 ])
-def test_roofline_names_the_mistake(fn, words):
-    fails(check_roofline_verdicts, fn, *words)
+def test_time_with_events_names_the_mistake(fn, words):
+    fails(check_time_with_events, fn, *words)
+
+
+@pytest.mark.parametrize("check", [check_measure, check_run_epoch,
+                                   check_time_with_events])
+def test_a_learner_that_never_returns_is_stopped(check, monkeypatch):
+    from course_utils.checks import ch02
+
+    monkeypatch.setattr(ch02, "TIMEOUT_S", 0.5)
+
+    def forever(*args):  # as good as for ever, here
+        time.sleep(3)
+
+    fails(check, forever, "within")

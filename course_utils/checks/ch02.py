@@ -25,9 +25,12 @@ Exercise 2.2 (``run_epoch``) is checked by running it under a
 (``.item()``, ``float()``, ``print``, ``.tolist()``, ``.cpu()``,
 ``.to("cpu")``, ``.numpy()``, ``numpy.asarray`` ...), with a loss function
 that tags every step's autograd graph, so the checker sees how many graphs
-are still alive at each step. Exercise 2.3 (``roofline_verdicts``) is given
-points measured on this machine and seeded points for published GPU peaks,
-including points exactly at the ridge.
+are still alive at each step. Exercise 2.3 (``time_with_events``) runs
+pipelines of stages on a stand-in device whose events are stamped by its
+worker thread when it reaches them, as CUDA events are by the GPU.
+
+Every call of the learner's code runs in a worker thread with a timeout
+(``_guarded``): a check never hangs.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import statistics
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -54,6 +58,32 @@ from course_utils.exercises import (
     passed,
     require_solution,
 )
+
+TIMEOUT_S = 30.0
+
+
+def _guarded(ex: str, fn, *args, **kwargs):
+    """``call_learner`` in a worker thread: a check never hangs on the learner."""
+    timeout = TIMEOUT_S
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = call_learner(ex, fn, *args, **kwargs)
+        except BaseException as e:  # re-raised below, in the checker's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        fail(ex, f"your function to return within {timeout:.0f} s",
+             "it was still running", "look for a wait that never ends (a loop "
+             "polling an event that was never recorded?)")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
 
 # --- Exercise 2.1: time this workload correctly ---------------------------------
 
@@ -217,7 +247,7 @@ def _judge_measure(ex: str, seconds, work, where: str) -> float:
 
 def _run_measure(ex: str, measure, work, where: str) -> float:
     try:
-        seconds = call_learner(ex, measure, work.launch, work.sync)
+        seconds = _guarded(ex, measure, work.launch, work.sync)
         return _judge_measure(ex, seconds, work, where)
     finally:
         work.close()
@@ -330,8 +360,14 @@ def check_run_epoch(run_epoch) -> None:
     expected = _reference_epoch(ref_model, batches, lr)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loss_fn = TaggedLoss()
-    with CountHostReads() as counter:
-        result = call_learner(ex, run_epoch, model, optimizer, batches, loss_fn)
+    counter = CountHostReads()
+
+    def counted(*args):  # a mode is per thread: enter it where the learner runs
+        with counter:
+            return run_epoch(*args)
+
+    counted.__name__ = getattr(run_epoch, "__name__", "run_epoch")
+    result = _guarded(ex, counted, model, optimizer, batches, loss_fn)
     steps = len(batches)
     if len(loss_fn.alive_at_call) != steps:
         fail(ex, f"loss_fn called once per batch ({steps} times)",
@@ -369,105 +405,239 @@ def check_run_epoch(run_epoch) -> None:
                f"at most {most_alive} graph(s) alive.")
 
 
-# --- Exercise 2.3: which roof limits a measured kernel? --------------------------
+# --- Exercise 2.3: time the stages of a pipeline with events ----------------------
+
+STAGE_FIRST_S = 0.12  # each stage's slow first call (lazy initialisation)
+STAGE_FACTOR = 1.3  # the stand-in's sleeps are precise: a right answer is close
+STAGE_SLACK_S = 0.003  # plus a little for a busy machine's thread wake-ups
+MIN_ROUNDS = 3
+NOT_READY = "has not completed: the device has not reached it yet"
 
 
-def _verdicts(points, peak: float, bandwidth: float) -> list[tuple[str, float]]:
-    ridge = peak / bandwidth
-    out = []
-    for flop, nbytes, seconds in points:
-        bound = "compute" if flop >= ridge * nbytes else "memory"
-        out.append((bound, max(flop / peak, nbytes / bandwidth) / seconds))
-    return out
+class StandInEvent:
+    """``torch.cuda.Event(enable_timing=True)`` for the stand-in stream.
+
+    ``record()`` queues a marker behind the work already queued; the worker
+    thread stamps it with the clock when it gets there. ``elapsed_time(end)``
+    is in milliseconds, as CUDA's, and raises while either event is pending.
+    """
+
+    def __init__(self, stream: StandInStream):
+        self._stream = stream
+        self._generation = 0
+        self._done = threading.Event()
+        self.time: float | None = None
+
+    def record(self, stream=None) -> None:
+        self._generation += 1
+        self._done.clear()
+        self._stream.log.append("record")
+        self._stream.put(("mark", self, self._generation))
+
+    def _stamp(self, generation: int) -> None:
+        if generation == self._generation:
+            self.time = time.perf_counter()
+            self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._stream.log.append("sync")
+        if self._generation:
+            self._done.wait(30)
+
+    def elapsed_time(self, end: StandInEvent) -> float:
+        for e, which in ((self, "start"), (end, "end")):
+            if not isinstance(e, StandInEvent) or not e._done.is_set():
+                raise RuntimeError(f"the {which} event {NOT_READY} (on a GPU: "
+                                   "'device not ready')")
+        return (end.time - self.time) * 1e3
 
 
-def _measured_points() -> list[tuple[float, float, float]]:
-    """A matmul and an add timed on this machine (their true costs do not matter:
-    the checker compares the learner's verdicts with its own on the same points)."""
-    pts = []
-    for n in (48, 160):
-        a = torch.randn(n, n)
-        start = time.perf_counter()
-        for _ in range(5):
-            torch.mm(a, a)
-        pts.append((2.0 * n**3, 12.0 * n * n, (time.perf_counter() - start) / 5))
-    x = torch.randn(1 << 16)
-    start = time.perf_counter()
-    for _ in range(5):
-        torch.add(x, x)
-    pts.append((float(1 << 16), 12.0 * (1 << 16), (time.perf_counter() - start) / 5))
-    return pts
+class StandInStream:
+    """A worker thread running queued sleeps and event markers in order.
+
+    ``stage(name, seconds)`` gives a function that queues ``seconds`` of work
+    (in two pieces, like two kernels; the first call of each stage takes
+    ``STAGE_FIRST_S`` longer) and returns at once. The worker records how
+    long each call's work really took.
+    """
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.work: dict[str, list[float]] = {}
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, daemon=True)
+        self._worker.start()
+
+    def put(self, job) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            if job[0] == "mark":
+                job[1]._stamp(job[2])
+            else:
+                _, name, seconds, last = job
+                start = time.perf_counter()
+                time.sleep(seconds)
+                took = time.perf_counter() - start
+                if last:
+                    self.work[name][-1] += took
+                else:
+                    self.work[name].append(took)
+            self._jobs.task_done()
+
+    def stage(self, name: str, seconds: float):
+        self.work[name] = []
+
+        def run_stage():
+            first = f"stage:{name}" not in self.log
+            self.log.append(f"stage:{name}")
+            extra = STAGE_FIRST_S if first else 0.0
+            self.put(("work", name, seconds / 2 + extra, False))
+            self.put(("work", name, seconds / 2, True))
+        return run_stage
+
+    def new_event(self) -> StandInEvent:
+        return StandInEvent(self)
+
+    def sync(self, *args, **kwargs) -> None:
+        self.log.append("sync")
+        self._jobs.join()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=30)
 
 
-def _synthetic(peak: float, bandwidth: float, seed: int):
-    """Seeded kernels on both sides of a device's ridge, and a copy."""
-    rng = random.Random(seed)
-    ridge = peak / bandwidth
-    pts = []
-    for intensity in (ridge / 40, ridge / 3, ridge * 3, ridge * 25):
-        nbytes = float(rng.randrange(1 << 20, 1 << 30))
-        flop = intensity * nbytes
-        roof_t = max(flop / peak, nbytes / bandwidth)
-        pts.append((flop, nbytes, roof_t / rng.uniform(0.05, 0.95)))
-    pts.append((0.0, 2.0**28, 2.0**28 / bandwidth * 1.25))  # a copy: no FLOP
-    rng.shuffle(pts)
-    return pts
+EVENT_HINTS = {
+    NOT_READY: "elapsed_time can be read only once the device has reached both "
+               "events: wait first (sync(), or end.synchronize()), then read",
+}
 
 
-def check_roofline_verdicts(roofline_verdicts) -> None:
-    """Exercise 2.3: ``roofline_verdicts(points, peak_flops, bandwidth)``."""
+def _judge_stages(ex: str, got, stream: StandInStream, names: list[str],
+                  previous: dict | None) -> dict:
+    """Fail with the mistake that explains ``got``; return the true times."""
+    if not isinstance(got, Mapping):
+        fail(ex, "a dict {stage name: seconds}", f"a {type(got).__name__}: "
+             f"{got!r:.80}", "return {name: seconds for each stage}")
+    if sorted(map(str, got)) != sorted(names):
+        fail(ex, f"one entry per stage: {names}", f"keys {list(got)!r:.100}",
+             "use the stage names you were given as the keys")
+    calls = [e.removeprefix("stage:") for e in stream.log if e.startswith("stage:")]
+    rounds = calls.count(names[0])
+    if any(calls.count(n) < MIN_ROUNDS for n in names):
+        fail(ex, f"each stage run at least {MIN_ROUNDS} times (a warm-up round, "
+             "then repeats)", f"{', '.join(f'{n}: {calls.count(n)}' for n in names)}",
+             "one round measures noise and the slow first calls: warm up, then "
+             "take the median of several rounds")
+    if calls != names * (len(calls) // len(names)):
+        fail(ex, f"the stages run in the order given, once each per round: {names}",
+             f"the order {calls[:2 * len(names)]} ...",
+             "each stage reads what the one before it produced: run them in order")
+    syncs = stream.log.count("sync")
+    if syncs > 2 * rounds + 2:
+        fail(ex, f"at most 2 waits for the device per round ({rounds} rounds)",
+             f"{syncs} waits: one at every stage boundary",
+             "a wait at each boundary stalls the launches (the next stage cannot "
+             "be queued while the device works): record an event at each "
+             "boundary, wait once per round, then read the events")
+    if "record" not in stream.log:
+        hint = ("the host's clock measured only the queueing: record an event "
+                "at each stage boundary (new_event(), .record()) and read "
+                "start.elapsed_time(end) after one wait")
+    else:
+        hint = ""
+    truth = {n: statistics.median(stream.work[n][1:]) for n in names}
+    seen = {}
+    for n in names:
+        value = got[n]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+                math.isfinite(value)):
+            fail(ex, f"seconds for stage {n!r} as a number", f"{value!r:.60}")
+        seen[n] = float(value)
+    if previous is not None and seen == previous:
+        fail(ex, "times measured afresh on every call",
+             "exactly the times of the previous call, whose stages took "
+             "different times", "measure in each call; keep no results between "
+                                "calls")
+    ratios = [seen[n] / truth[n] for n in names]
+    if all(800 < r < 1250 for r in ratios):
+        fail(ex, f"seconds: {truth[names[0]]:.4g} s for stage {names[0]!r}",
+             f"{seen[names[0]]:.4g}", "elapsed_time returns MILLISECONDS: divide "
+                                      "by 1000")
+    for k, n in enumerate(names):
+        t, v = truth[n], seen[n]
+        if t / STAGE_FACTOR - STAGE_SLACK_S <= v <= t * STAGE_FACTOR + STAGE_SLACK_S:
+            continue
+        expected = f"about {t * 1e3:.3g} ms for stage {n!r} (its own work)"
+        got_ms = f"{v * 1e3:.4g} ms"
+        upto = sum(truth[m] for m in names[:k + 1])
+        if k > 0 and abs(v - upto) <= 0.2 * upto:
+            fail(ex, expected, f"{got_ms}: the time since the round began",
+                 "time each stage from ITS start event: elapsed_time between the "
+                 "events just before and just after that stage")
+        total_of = min((n for n in (rounds, rounds - 1) if n > 1),
+                       key=lambda n: abs(v / (t * n) - 1), default=0)
+        if total_of and abs(v - t * total_of) <= 0.15 * t * total_of:
+            fail(ex, expected, f"{got_ms}: the total of {total_of} rounds",
+                 "return the time of ONE run of the stage: the median over the "
+                 "rounds")
+        if v > t * STAGE_FACTOR:
+            fail(ex, expected, f"{got_ms}: more than the stage's work takes",
+                 "the first call of a stage is slow (lazy initialisation): warm "
+                 "up with one round you do not count, or take the median")
+        fail(ex, expected, f"{got_ms}: less than the stage's work takes",
+             hint or "record each stage's end event right after its call, and "
+                     "read elapsed_time only after the device has reached it")
+    return truth
+
+
+def _run_stages(ex: str, time_with_events, names: list[str], seconds: list[float],
+                previous: dict | None = None) -> dict:
+    stream = StandInStream()
+    try:
+        stages = [(n, stream.stage(n, t)) for n, t in zip(names, seconds, strict=True)]
+        got = _guarded(ex, time_with_events, stages, stream.new_event, stream.sync,
+                       hints=EVENT_HINTS)
+        _judge_stages(ex, got, stream, names, previous)
+        return {n: float(v.item() if isinstance(v, torch.Tensor) else v)
+                for n, v in got.items()}
+    finally:
+        stream.close()
+
+
+def check_time_with_events(time_with_events) -> None:
+    """Exercise 2.3: ``time_with_events(stages, new_event, sync) -> {name: s}``.
+
+    Runs on a stand-in device (a worker thread with events stamped when it
+    reaches them), for pipelines of 3, 2 and 4 stages whose work the checker
+    picks (from 6 to 40 ms, changed between calls, the slow first calls
+    included), twice with the same names to catch results kept between calls.
+    Checks the times (upper and lower bounds), the order the stages ran, at
+    least 3 rounds, and that the device was waited for at most twice per
+    round - not at every stage boundary.
+    """
     ex = "2.3"
-    require_solution(ex, roofline_verdicts)
-    from course_utils import predict  # published peaks of named GPUs
-
-    # a made-up CPU whose ridge, 2.5 FLOP/byte, is exact in binary, with a
-    # kernel exactly on it (however the comparison is written, it is equal)
-    on_ridge = (2.5 * 4096, 4096.0, 4096 / 20e9 * 2)
-    cases = [("this CPU (measured points, made-up peaks)",
-              [*_measured_points(), on_ridge], 50e9, 20e9)]
-    for k, (gpu, math_mode) in enumerate((("h100_sxm", "fp32"), ("a100_sxm_80gb",
-                                                                  "bf16"),
-                                          ("t4", "fp32"))):
-        peak, bw = predict.peak_flops(gpu, math_mode), predict.memory_bandwidth(gpu)
-        cases.append((f"{predict.gpu_name(gpu)} {math_mode}",
-                      _synthetic(peak, bw, seed=k), peak, bw))
-    for name, points, peak, bw in cases:
-        got = call_learner(ex, roofline_verdicts, list(points), peak, bw)
-        want = _verdicts(points, peak, bw)
-        if not isinstance(got, (list, tuple)) or len(got) != len(points):
-            fail(ex, f"one (bound, fraction) pair per point ({len(points)})",
-                 f"{type(got).__name__}: {got!r:.80}")
-        for (flop, nbytes, seconds), g, (bound, fraction) in zip(points, got, want,
-                                                                 strict=True):
-            point = (f"{flop:.4g} FLOP, {nbytes:.4g} bytes in {seconds:.3g} s on "
-                     f"{name} (peak {peak:.3g} FLOP/s, {bw:.3g} B/s)")
-            if not isinstance(g, (list, tuple)) or len(g) != 2:
-                fail(ex, "a pair (bound, fraction) for each point", f"{g!r:.60}")
-            g_bound, g_fraction = g
-            if g_bound not in ("compute", "memory"):
-                fail(ex, 'bound "compute" or "memory"', f"{g_bound!r}")
-            if g_bound != bound:
-                on_ridge = math.isclose(flop, peak / bw * nbytes, rel_tol=1e-12)
-                fail(ex, f"{bound}-bound for {point}", f"{g_bound}-bound",
-                     "exactly at the ridge counts as compute-bound (intensity >= "
-                     "ridge)" if on_ridge else
-                     "compare the intensity (FLOP per byte moved) with the ridge "
-                     "point, peak FLOP/s / bandwidth: above it, the FLOP roof "
-                     "limits; below, the bandwidth roof")
-            try:
-                g_fraction = float(g_fraction)
-            except (TypeError, ValueError):
-                fail(ex, "a number for the fraction of the roof", f"{g_fraction!r}")
-            if math.isclose(g_fraction, 1 / fraction, rel_tol=1e-6) and not (
-                    math.isclose(fraction, 1.0, rel_tol=1e-6)):
-                fail(ex, f"fraction {fraction:.4g} for {point}", f"{g_fraction:.4g}",
-                     "the fraction is the time the roof allows over the measured "
-                     "time (at most 1), not its inverse")
-            check_close(ex, g_fraction, fraction, rtol=1e-6,
-                        what=f"the fraction of the roof reached, for {point}",
-                        hint="the roof at this intensity is min(peak, intensity x "
-                             "bandwidth); equivalently the kernel needs at least "
-                             "max(FLOP / peak, bytes / bandwidth) seconds: divide "
-                             "that by the measured time")
-    passed(ex, f"{sum(len(c[1]) for c in cases)} kernels on {len(cases)} devices, "
-               "including one on the ridge and a copy with no FLOP.")
+    require_solution(ex, time_with_events)
+    rng = random.Random(23)
+    cases = [["load", "model", "search"], ["forward", "backward"],
+             ["embed", "attention", "mlp block", "head"]]
+    first = None
+    for names in cases:
+        seconds = [rng.uniform(0.006, 0.04) for _ in names]
+        first = first or (names, _run_stages(ex, time_with_events, names, seconds))
+    names, previous = first
+    seconds = [rng.uniform(0.006, 0.04) for _ in names]
+    _run_stages(ex, time_with_events, names, seconds, previous)
+    passed(ex, "pipelines of 2, 3 and 4 stages timed by events, each stage charged "
+               "its own work, with one wait per round.")
