@@ -424,7 +424,7 @@ def write_solutions(
     return paths
 
 
-def gate_notebook(source: Path) -> str:
+def gate_notebook(source: Path, repeats: int = 1) -> str:
     """The learner notebook with each exercise solved right after its check.
 
     The test suite runs it once for both notebook gates: every check cell
@@ -433,7 +433,9 @@ def gate_notebook(source: Path) -> str:
     (tagged ``solved``), and that copy must pass; every other cell must pass.
     Cells after an exercise see its solution, as in the solution notebook;
     that no cell depends on an unsolved exercise is the build's lint
-    (``_no_dependence``).
+    (``_no_dependence``). With ``repeats`` > 1 the four cells (placeholder,
+    check, solution, check) run that many times in a row, to show that every
+    check gives the same verdict each time (``course_utils.stability``).
     """
     learner = nbformat.reads(generate(source), as_version=4)
     solved = nbformat.reads(generate(source, solutions=True), as_version=4)
@@ -442,17 +444,22 @@ def gate_notebook(source: Path) -> str:
         for c in solved.cells
         if "exercise" in c.metadata.get("tags", [])
     }
-    cells = []
+    cells, stub = [], {}
     for cell in learner.cells:
-        cells.append(cell)
         tags = cell.metadata.get("tags", [])
+        if cell.cell_type == "code" and "exercise" in tags:
+            stub[str(cell.metadata.get("exercise"))] = cell
+        cells.append(cell)
         if cell.cell_type != "code" or "check" not in tags:
             continue
         ex = str(cell.metadata.get("exercise"))
-        for copy, tag in ((answers[ex], "solved-exercise"), (cell, "solved")):
-            cells.append(nbformat.v4.new_code_cell(
-                copy.source, id=f"{copy.id}s",
-                metadata={"tags": [tag], "exercise": ex}))
+        for k in range(repeats):
+            again = [(stub[ex], ["exercise"]), (cell, ["check"])] if k else []
+            for copy, tags in [*again, (answers[ex], ["solved-exercise"]),
+                               (cell, ["solved"])]:
+                cells.append(nbformat.v4.new_code_cell(
+                    copy.source, id=f"gate{len(cells):04d}",
+                    metadata={"tags": tags, "exercise": ex}))
     learner.cells = cells
     nbformat.validate(learner)
     return nbformat.writes(learner) + "\n"

@@ -193,6 +193,12 @@ def test_the_gate_notebook_solves_each_exercise_after_its_check(tmp_path):
     assert 'raise NotImplementedError("Exercise 7.1")' in src[1]
     assert "math.pi * r**2" in src[3] and src[4] == src[2]
     assert len({c["id"] for c in nb["cells"]}) == len(nb["cells"])
+    nb = json.loads(build.gate_notebook(path, repeats=3))
+    tags = [c["metadata"].get("tags", [])
+            for c in nb["cells"] if c["cell_type"] == "code"]
+    block = [["exercise"], ["check"], ["solved-exercise"], ["solved"]]
+    assert tags == [[], *block * 3, []]
+    assert len({c["id"] for c in nb["cells"]}) == len(nb["cells"])
 
 
 def test_unbalanced_markers_are_refused():

@@ -98,7 +98,7 @@ def hidden_solution(events, comm="gloo:all_reduce", compute="backward"):
     talk_time = both_time = 0.0
     for spans in ranks.values():
         edges = sorted({t for _, a, b in spans for t in (a, b)})
-        for a, b in zip(edges, edges[1:]):
+        for a, b in zip(edges[:-1], edges[1:], strict=True):
             mid = (a + b) / 2
             talking = any(c and s <= mid < e for c, s, e in spans)
             working = any(not c and s <= mid < e for c, s, e in spans)
