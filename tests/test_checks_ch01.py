@@ -8,9 +8,12 @@ from course_utils.exercises import ExerciseFailed
 
 # isort: split
 import numba
-from numba import cuda, float32
+from numba import cuda, float32, float64
 
-THREADS = 128  # the exercise's constant; the checker sets it per launch
+gpu = cuda  # an alias: the checker must follow it
+
+THREADS = 128  # the exercises' constants; the checker sets them per launch
+TILE = 16
 
 
 def failure(check, fn) -> str:
@@ -21,66 +24,179 @@ def failure(check, fn) -> str:
 
 # 1.1 -----------------------------------------------------------------------
 
-def index_with_names(block_idx, thread_idx, block_dim, width):
-    col = block_idx[0] * block_dim[0] + thread_idx[0]
-    row = block_idx[1] * block_dim[1] + thread_idx[1]
-    return row * width + col
+@cuda.jit
+def axpy_while(a, x, y, out):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    step = cuda.gridDim.x * cuda.blockDim.x
+    while i < len(x):
+        out[i] = y[i] + x[i] * a
+        i += step
 
 
-class IndexObject:  # a callable object
-    def __call__(self, b, t, d, w):
-        x, y = (b[i] * d[i] + t[i] for i in range(2))
-        return int(y * w + x)
+@gpu.jit  # through an alias of numba.cuda
+def axpy_alias(a, x, y, out):
+    n_threads = gpu.gridDim.x * gpu.blockDim.x
+    for i in range(gpu.grid(1), x.shape[0], n_threads):
+        ax = a * x[i]
+        out[i] = ax + y[i]
 
 
-@pytest.mark.parametrize("right", [
-    index_with_names,
-    IndexObject(),
-    lambda b, t, d, w: (b[1] * d[1] + t[1]) * w + b[0] * d[0] + t[0],
-    lambda b, t, d, w: np.int64(np.ravel_multi_index(  # numpy integers are fine
-        (b[1] * d[1] + t[1], b[0] * d[0] + t[0]), (10_000, w))),
-    lambda b, t, d, w: float((b[1] * d[1] + t[1]) * w + b[0] * d[0] + t[0]),
-])
-def test_global_index_accepts_correct_variants(right, capsys):
-    ch01.check_global_index_2d(right)
+@cuda.jit(device=True)
+def fma(a, u, v):
+    return a * u + v
+
+
+@cuda.jit
+def axpy_device_function(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        out[i] = fma(a, x[i], y[i])
+
+
+def axpy_plain_function(a, x, y, out):  # no decorator; numba.cuda spelled out
+    n_threads = numba.cuda.gridsize(1)
+    for i in range(numba.cuda.grid(1), x.size, n_threads):
+        check = x[i]  # an extra read: harmless
+        out[i] = a * check + y[i]
+
+
+@cuda.jit
+def axpy_steps_counted(a, x, y, out):
+    stride = cuda.gridsize(1)
+    for k in range((x.size + stride - 1) // stride):
+        i = k * stride + cuda.grid(1)
+        if i < x.size:
+            out[i] = a * x[i] + y[i]
+
+
+@pytest.mark.parametrize("right", [axpy_while, axpy_alias, axpy_device_function,
+                                   axpy_plain_function, axpy_steps_counted])
+def test_axpy_accepts_correct_variants(right, capsys):
+    ch01.check_axpy(right)
     assert "passed" in capsys.readouterr().out
 
 
+@cuda.jit
+def axpy_no_loop(a, x, y, out):  # one element per thread: the grid must cover n
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_block_stride(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.blockDim.x):
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_grid_dim_stride(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridDim.x):
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_no_block_offset(a, x, y, out):
+    for i in range(cuda.threadIdx.x, x.size, cuda.gridsize(1)):
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_chunks(a, x, y, out):  # each thread a run of neighbours: strided warps
+    n_threads = cuda.gridsize(1)
+    per = (x.size + n_threads - 1) // n_threads
+    start = cuda.grid(1) * per
+    for i in range(start, min(start + per, x.size)):
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_stops_early(a, x, y, out):
+    for i in range(cuda.grid(1), x.size - 1, cuda.gridsize(1)):
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_one_too_far(a, x, y, out):
+    i = cuda.grid(1)
+    while i <= x.size:
+        out[i] = a * x[i] + y[i]
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def axpy_n_hard_coded(a, x, y, out):
+    for i in range(cuda.grid(1), 1000, cuda.gridsize(1)):
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_stride_hard_coded(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, 128):
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_float32_only(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        out[i] = float32(a) * x[i] + y[i]
+
+
+@cuda.jit
+def axpy_without_a(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def axpy_a_on_both(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        out[i] = a * (x[i] + y[i])
+
+
+@cuda.jit
+def axpy_in_place(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        x[i] = a * x[i] + y[i]
+        out[i] = x[i]
+
+
+@cuda.jit
+def axpy_one_thread(a, x, y, out):  # right values, but a single thread works
+    if cuda.grid(1) == 0:
+        for i in range(x.size):
+            out[i] = a * x[i] + y[i]
+
+
 @pytest.mark.parametrize("wrong, words", [
-    (lambda b, t, d, w: (b[0] * d[0] + t[0]) * w + b[1] * d[1] + t[1], "swapped"),
-    (lambda b, t, d, w: t[1] * w + t[0], "block offset"),
-    (lambda b, t, d, w: (b[1] * d[0] + t[1]) * w + b[0] * d[1] + t[0], "blockDim.x"),
-    (lambda b, t, d, w: (b[1] * d[1] + t[1]) * d[0] + b[0] * d[0] + t[0],
-     "not blockDim.x"),
-    (lambda b, t, d, w: (b[1] * d[1] + t[1]) * w + b[0] * d[0] + t[0] + 1,
-     "count from 0"),
-    (lambda b, t, d, w: (b[1] * d[1] + t[1]) * 24 + b[0] * d[0] + t[0], "index"),
-    (lambda b, t, d, w: 0, "index"),
-    (lambda b, t, d, w: "3", "whole number"),
-    (lambda b, t, d, w: (b[1] * d[1] + t[1], b[0] * d[0] + t[0]), "whole number"),
+    (axpy_no_loop, "i + cuda.gridsize(1)"),
+    (axpy_block_stride, "number of threads in the whole grid"),
+    (axpy_grid_dim_stride, "number of threads in the whole grid"),
+    (axpy_no_block_offset, "its global index cuda.grid(1)"),
+    (axpy_chunks, "block of neighbouring elements"),
+    (axpy_stops_early, "not x.size - 1"),
+    (axpy_one_too_far, "stop the loop at x.size"),
+    (axpy_n_hard_coded, "stop the loop at x.size"),
+    (axpy_stride_hard_coded, "i + cuda.gridsize(1)"),
+    (axpy_float32_only, "went through float32"),
+    (axpy_without_a, "a was left out"),
+    (axpy_a_on_both, "a multiplies x[i] only"),
+    (axpy_in_place, "x was changed"),
+    (axpy_one_thread, "a few threads do the work of all"),
+    ("axpy", "a @cuda.jit kernel"),
 ])
-def test_global_index_names_mistakes(wrong, words):
-    assert words in failure(ch01.check_global_index_2d, wrong)
+def test_axpy_names_mistakes(wrong, words):
+    assert words in failure(ch01.check_axpy, wrong)
+
+
+def test_axpy_placeholder_is_named():
+    @cuda.jit
+    def axpy(a, x, y, out):
+        raise NotImplementedError("Exercise 1.1")
+
+    assert "placeholder" in failure(ch01.check_axpy, axpy)
 
 
 # 1.2 -----------------------------------------------------------------------
-
-@cuda.jit
-def sum_sequential(x, out):  # the chapter's solution
-    sdata = cuda.shared.array(THREADS, float32)
-    tid = cuda.threadIdx.x
-    i = cuda.blockIdx.x * cuda.blockDim.x + tid
-    sdata[tid] = x[i] if i < x.size else float32(0.0)
-    cuda.syncthreads()
-    s = cuda.blockDim.x // 2
-    while s > 0:
-        if tid < s:
-            sdata[tid] += sdata[tid + s]
-        cuda.syncthreads()
-        s //= 2
-    if tid == 0:
-        out[cuda.blockIdx.x] = sdata[0]
-
 
 @cuda.jit
 def sum_interleaved(x, out):  # the classic first version: stride doubles
@@ -144,8 +260,48 @@ def sum_plain_function(x, out):  # no decorator, local partial sum kept
         out[cuda.blockIdx.x] = acc
 
 
-@pytest.mark.parametrize("right", [sum_sequential, sum_interleaved,
-                                   sum_with_device_function, sum_plain_function])
+@gpu.jit
+def sum_for_loop(x, out):  # a counted loop over the steps, through an alias
+    sdata = gpu.shared.array(THREADS, float32)
+    tid = gpu.threadIdx.x
+    i = gpu.grid(1)
+    sdata[tid] = float32(0.0)
+    if i < len(x):
+        sdata[tid] = x[i]
+    gpu.syncthreads()
+    steps = 0
+    while (1 << steps) < gpu.blockDim.x:
+        steps += 1
+    for k in range(steps):
+        stride = gpu.blockDim.x >> (k + 1)
+        if tid < stride:
+            sdata[tid] = sdata[tid] + sdata[tid + stride]
+        gpu.syncthreads()
+    if tid == 0:
+        out[gpu.blockIdx.x] = sdata[0]
+
+
+@cuda.jit
+def sum_reversed_pairs(x, out):  # the top half folds onto the bottom, mirrored
+    sdata = cuda.shared.array(THREADS, float32)
+    tid = cuda.threadIdx.x
+    i = cuda.grid(1)
+    sdata[tid] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    width = cuda.blockDim.x
+    while width > 1:
+        half = width // 2
+        if tid < half:
+            sdata[tid] += sdata[width - 1 - tid]
+        cuda.syncthreads()
+        width = half
+    if tid == 0:
+        out[cuda.blockIdx.x] = sdata[0]
+
+
+@pytest.mark.parametrize("right", [sum_interleaved, sum_with_device_function,
+                                   sum_plain_function, sum_for_loop,
+                                   sum_reversed_pairs])
 def test_block_sum_accepts_correct_variants(right, capsys):
     ch01.check_block_sum(right)
     assert "passed" in capsys.readouterr().out
@@ -402,34 +558,202 @@ def test_block_sum_placeholder_is_named():
 
 # 1.3 -----------------------------------------------------------------------
 
-class CoalescedObject:
-    def __call__(self, t, j, n_threads, per_thread):
-        return t + n_threads * j
+@cuda.jit
+def transpose_padded(a, out):  # one spare column: no shared-memory bank conflicts
+    tile = cuda.shared.array((TILE, TILE + 1), float64)
+    x, y = cuda.grid(2)
+    if y < a.shape[0] and x < a.shape[1]:
+        tile[cuda.threadIdx.y, cuda.threadIdx.x] = a[y, x]
+    cuda.syncthreads()
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.y
+    c = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.x
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[cuda.threadIdx.x, cuda.threadIdx.y]
 
 
-@pytest.mark.parametrize("right", [
-    lambda t, j, nt, pt: j * nt + t,
-    lambda t, j, nt, pt: (pt - 1 - j) * nt + t,  # steps in another order
-    lambda t, j, nt, pt: ((j + t // 32) % pt) * nt + t,  # each warp its own order
-    CoalescedObject(),
-    lambda t, j, nt, pt: np.int32(j * nt + t),
-])
-def test_coalesced_accepts_grid_stride_and_variants(right, capsys):
-    ch01.check_coalesced_element(right)
+@gpu.jit
+def transpose_stored_turned(a, out):  # the tile turns on the way in instead
+    tile = gpu.shared.array((TILE, TILE), float64)
+    tx, ty = gpu.threadIdx.x, gpu.threadIdx.y
+    row, col = gpu.blockIdx.y * TILE + ty, gpu.blockIdx.x * TILE + tx
+    if row < a.shape[0] and col < a.shape[1]:
+        tile[tx, ty] = a[row, col]
+    gpu.syncthreads()
+    row, col = gpu.blockIdx.x * TILE + ty, gpu.blockIdx.y * TILE + tx
+    if row < a.shape[1] and col < a.shape[0]:
+        out[row, col] = tile[ty, tx]
+
+
+@cuda.jit(device=True)
+def inside(m, r, c):
+    return r < m.shape[0] and c < m.shape[1]
+
+
+@cuda.jit
+def transpose_with_device_function(a, out):
+    tile = cuda.shared.array((TILE, TILE), dtype=float64)
+    bx, by = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    if inside(a, by + ty, bx + tx):
+        tile[ty, tx] = a[by + ty, bx + tx]
+    cuda.syncthreads()
+    if inside(out, bx + ty, by + tx):
+        out[bx + ty, by + tx] = tile[tx, ty]
+
+
+def transpose_plain_function(a, out):  # no decorator, numba.cuda spelled out
+    c = numba.cuda
+    tile = c.shared.array((TILE, TILE), numba.float64)
+    t, b = c.threadIdx, c.blockIdx
+    h, w = a.shape
+    ok = b.y * TILE + t.y < h and b.x * TILE + t.x < w
+    if ok:
+        tile[t.y, t.x] = a[b.y * TILE + t.y, b.x * TILE + t.x]
+    c.syncthreads()
+    c.syncthreads()  # a second barrier: harmless
+    if b.x * TILE + t.y < w and b.y * TILE + t.x < h:
+        out[b.x * TILE + t.y, b.y * TILE + t.x] = tile[t.x, t.y]
+
+
+@cuda.jit
+def transpose_flat_tile(a, out):  # a 1-D shared array, indexed by hand
+    tile = cuda.shared.array(TILE * TILE, float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    y, x = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+    if y < a.shape[0]:
+        if x < a.shape[1]:
+            tile[ty * TILE + tx] = a[y, x]
+    cuda.syncthreads()
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx * TILE + ty]
+
+
+@pytest.mark.parametrize("right", [transpose_padded, transpose_stored_turned,
+                                   transpose_with_device_function,
+                                   transpose_plain_function, transpose_flat_tile])
+def test_transpose_accepts_correct_variants(right, capsys):
+    ch01.check_transpose(right)
     assert "passed" in capsys.readouterr().out
 
 
+@cuda.jit
+def transpose_naive(a, out):  # no tile: reads coalesce, writes go down a column
+    x, y = cuda.grid(2)
+    if y < a.shape[0] and x < a.shape[1]:
+        out[x, y] = a[y, x]
+
+
+@cuda.jit
+def transpose_column_reads(a, out):  # no tile: writes coalesce, reads do not
+    c, r = cuda.grid(2)  # c: column of out
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = a[c, r]
+
+
+def _tile_kernel(load_guard=True, sync=True, store_guard=True, turn=True,
+                 tile_type=float64, early=False, sync_in_if=False):
+    @cuda.jit
+    def kernel(a, out):
+        tile = cuda.shared.array((TILE, TILE), tile_type)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        x, y = cuda.blockIdx.x * TILE + tx, cuda.blockIdx.y * TILE + ty
+        if early and (y >= a.shape[0] or x >= a.shape[1]):
+            return
+        if not load_guard or (y < a.shape[0] and x < a.shape[1]):
+            tile[ty, tx] = a[y, x]
+            if sync_in_if:
+                cuda.syncthreads()
+        if sync and not sync_in_if:
+            cuda.syncthreads()
+        r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+        if not store_guard or (r < out.shape[0] and c < out.shape[1]):
+            out[r, c] = tile[tx, ty] if turn else tile[ty, tx]
+    return kernel
+
+
+@cuda.jit
+def transpose_tile_writes_column(a, out):  # staged in shared memory, still strided
+    tile = cuda.shared.array((TILE, TILE), float64)
+    x, y = cuda.grid(2)
+    if y < a.shape[0] and x < a.shape[1]:
+        tile[cuda.threadIdx.y, cuda.threadIdx.x] = a[y, x]
+    cuda.syncthreads()
+    if y < a.shape[0] and x < a.shape[1]:
+        out[x, y] = tile[cuda.threadIdx.y, cuda.threadIdx.x]
+
+
+@cuda.jit
+def transpose_sync_first(a, out):  # the barrier before the load, not after
+    tile = cuda.shared.array((TILE, TILE), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    x, y = cuda.blockIdx.x * TILE + tx, cuda.blockIdx.y * TILE + ty
+    cuda.syncthreads()
+    if y < a.shape[0] and x < a.shape[1]:
+        tile[ty, tx] = a[y, x]
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+
+
+@cuda.jit
+def transpose_tile_16(a, out):  # the tile size written as a number
+    tile = cuda.shared.array((16, 16), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    x, y = cuda.blockIdx.x * 16 + tx, cuda.blockIdx.y * 16 + ty
+    if y < a.shape[0] and x < a.shape[1]:
+        tile[ty, tx] = a[y, x]
+    cuda.syncthreads()
+    r, c = cuda.blockIdx.x * 16 + ty, cuda.blockIdx.y * 16 + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+
+
+@cuda.jit
+def transpose_copy(a, out):  # copies through the tile instead of transposing
+    tile = cuda.shared.array((TILE, TILE), float64)
+    x, y = cuda.grid(2)
+    if y < a.shape[0] and x < a.shape[1]:
+        tile[cuda.threadIdx.y, cuda.threadIdx.x] = a[y, x]
+    cuda.syncthreads()
+    if y < out.shape[0] and x < out.shape[1]:
+        out[y, x] = tile[cuda.threadIdx.y, cuda.threadIdx.x]
+
+
+@cuda.jit
+def transpose_one_thread(a, out):  # thread (0, 0) of each block moves the tile
+    if cuda.threadIdx.x == 0 and cuda.threadIdx.y == 0:
+        for ty in range(TILE):
+            for tx in range(TILE):
+                y, x = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+                if y < a.shape[0] and x < a.shape[1]:
+                    out[x, y] = a[y, x]
+
+
 @pytest.mark.parametrize("wrong, words", [
-    (lambda t, j, nt, pt: t * pt + j, "far apart"),
-    (lambda t, j, nt, pt: j * nt + (t + 1) % nt, "boundary"),
-    (lambda t, j, nt, pt: j * 32 + t, "more than once"),
-    (lambda t, j, nt, pt: t, "never touched"),
-    (lambda t, j, nt, pt: j * (nt - 1) + t, "never touched"),
-    (lambda t, j, nt, pt: j * nt + t + 1, "indices in"),
-    (lambda t, j, nt, pt: j * 256 + t, "indices in"),  # n_threads hard-coded
-    (lambda t, j, nt, pt: (t % 32) * pt + j + (t // 32) * 32 * pt, "far apart"),
-    (lambda t, j, nt, pt: j * nt + t + 0.5, "whole number"),
-    (lambda t, j, nt, pt: j * nt + t // 2, "never touched"),
+    (transpose_naive, "write out along a row"),
+    (transpose_column_reads, "read a along a row"),
+    (_tile_kernel(sync=False), "race"),
+    (_tile_kernel(sync_in_if=True), "only some threads take"),
+    (_tile_kernel(early=True), "must not return early"),
+    (_tile_kernel(load_guard=False), "guard the load"),
+    (_tile_kernel(store_guard=False), "guard the store"),
+    (_tile_kernel(turn=False), "not transposed inside"),
+    (_tile_kernel(tile_type=float32), "float32 tile"),
+    (transpose_tile_writes_column, "write out along a row"),
+    (transpose_sync_first, "race"),
+    (transpose_tile_16, "not a number"),
+    (transpose_copy, "copy of a"),
+    (transpose_one_thread, "a few threads do the work of all"),
+    (None, "a @cuda.jit kernel"),
 ])
-def test_coalesced_names_mistakes(wrong, words):
-    assert words in failure(ch01.check_coalesced_element, wrong)
+def test_transpose_names_mistakes(wrong, words):
+    assert words in failure(ch01.check_transpose, wrong)
+
+
+def test_transpose_placeholder_is_named():
+    @cuda.jit
+    def transpose(a, out):
+        raise NotImplementedError("Exercise 1.3")
+
+    assert "placeholder" in failure(ch01.check_transpose, transpose)

@@ -1,4 +1,13 @@
-"""Checkers for Chapter 1, "The CUDA execution model"."""
+"""Checkers for Chapter 1, "The CUDA execution model".
+
+The three exercises are kernels. They run on a deterministic simulator (below)
+that takes a block's threads one at a time, from barrier to barrier, records
+every memory access, and names races on shared memory, reads of shared memory
+nobody wrote, indices outside an array and barriers some threads skip. The
+global accesses it records go through ``course_utils.warps.trace_sectors``, so
+a checker sees how many 32-byte sectors each warp request of the learner's
+kernel touched. With a GPU (numba's CUDA target) the kernels also run for real.
+"""
 
 from __future__ import annotations
 
@@ -6,126 +15,18 @@ import math
 import operator
 import threading
 import types
-from collections.abc import Callable
 
 import numba
 import numpy as np
 
 from course_utils.devices import kernel_target
 from course_utils.exercises import call_learner, fail, passed, require_solution
-from course_utils.warps import trace_sectors
+from course_utils.warps import Trace, trace_sectors
 
 MAX_THREADS_PER_BLOCK = 1024
 
-
-def _as_int(exercise: str, value, what: str) -> int:
-    try:
-        if int(value) == value:
-            return int(value)
-    except (TypeError, ValueError):
-        pass
-    fail(exercise, f"{what} to be a whole number",
-         f"{type(value).__name__} {value!r:.60}")
-    raise AssertionError("unreachable")
-
-
-def check_global_index_2d(fn: Callable) -> None:
-    """Exercise 1.1: the row-major index of a thread's element in a 2-D grid."""
-    ex = "1.1"
-    for block_dim, grid_dim, width in (((8, 4), (3, 5), 24), ((16, 2), (2, 3), 32),
-                                       ((4, 8), (5, 2), 19)):
-        seen = set()
-        for by in range(grid_dim[1]):
-            for bx in range(grid_dim[0]):
-                for ty in range(block_dim[1]):
-                    for tx in range(block_dim[0]):
-                        if bx * block_dim[0] + tx >= width:
-                            continue  # past the right edge: the guard sends it home
-                        got = call_learner(ex, fn, (bx, by), (tx, ty), block_dim, width)
-                        got = _as_int(ex, got, "the index")
-                        x, y = bx * block_dim[0] + tx, by * block_dim[1] + ty
-                        want = y * width + x
-                        if got != want:
-                            _explain_index(ex, got, want, bx, by, tx, ty, block_dim,
-                                           grid_dim, width)
-                        seen.add(got)
-        if len(seen) != width * block_dim[1] * grid_dim[1]:  # pragma: no cover
-            fail(ex, "every thread a different element",
-                 f"{len(seen)} distinct indices")
-    passed(ex, "Neighbouring threads in x get neighbouring elements: that is what "
-               "lets a warp's loads coalesce.")
-
-
-def _explain_index(ex, got, want, bx, by, tx, ty, block_dim, grid_dim, width) -> None:
-    x, y = bx * block_dim[0] + tx, by * block_dim[1] + ty
-    height = block_dim[1] * grid_dim[1]
-    wrong = {
-        x * height + y: "you made x the row: in CUDA x is the column, the index "
-                        "that moves fastest, so the element is y * width + x",
-        x * width + y: "you swapped x and y: the element is y * width + x",
-        ty * width + tx: "you left out the block offset: x = blockIdx.x * "
-                         "blockDim.x + threadIdx.x (and the same for y)",
-        (by * block_dim[0] + ty) * width + bx * block_dim[1] + tx:
-            "you mixed up blockDim.x and blockDim.y",
-        (by * grid_dim[1] + ty) * width + bx * grid_dim[0] + tx:
-            "you multiplied blockIdx by the grid size; multiply by blockDim",
-        y * height + x: "the row stride is the width of the matrix, not its height",
-        y * block_dim[0] + x: "the row stride is the width of the matrix, not "
-                              "blockDim.x",
-        y * width + x + 1: "indices count from 0: the first thread's element is 0",
-    }
-    hint = wrong.get(got, "row = blockIdx.y * blockDim.y + threadIdx.y, "
-                          "col = blockIdx.x * blockDim.x + threadIdx.x, "
-                          "index = row * width + col")
-    fail(ex, f"index {want} for block {(bx, by)}, thread {(tx, ty)}, blockDim "
-             f"{block_dim}, width {width}", str(got), hint)
-
-
-def check_coalesced_element(fn: Callable) -> None:
-    """Exercise 1.3: thread t's element in step j, coalesced across a warp."""
-    ex = "1.3"
-    for blocks, threads, per_thread in ((2, 128, 8), (3, 64, 5), (2, 96, 3)):
-        n_threads = blocks * threads
-        n = n_threads * per_thread
-
-        def accesses(b, t, n_threads=n_threads, per_thread=per_thread, threads=threads):
-            g = b[0] * threads + t[0]
-            return [call_learner(ex, fn, g, j, n_threads, per_thread)
-                    for j in range(per_thread)]
-
-        counts = [0] * n
-        for g in range(n_threads):
-            for j in range(per_thread):
-                i = _as_int(ex, call_learner(ex, fn, g, j, n_threads, per_thread),
-                            "the element index")
-                if not 0 <= i < n:
-                    fail(ex, f"indices in 0..{n - 1}", f"{i} for thread {g}, step {j}",
-                         f"there are n_threads * per_thread = {n} elements")
-                counts[i] += 1
-        missed = [i for i, c in enumerate(counts) if c == 0]
-        twice = sum(c > 1 for c in counts)
-        if missed:
-            fail(ex, "every element copied exactly once",
-                 f"{len(missed)} elements never touched (first: {missed[0]}), "
-                 f"{twice} touched more than once",
-                 "with n_threads threads, step j covers elements j * n_threads "
-                 "... j * n_threads + n_threads - 1")
-        trace = trace_sectors(accesses, grid=blocks, block=threads)
-        if trace.sectors_per_request > 4:
-            if trace.sectors_per_request <= 5:
-                hint = ("neighbouring threads read neighbouring elements, but a "
-                        "warp's 32 floats straddle a 128-byte boundary: let each "
-                        "warp start at a multiple of 32 elements")
-            else:
-                hint = ("neighbouring threads still read elements far apart; in "
-                        "each step, thread t+1 must read the element right after "
-                        "thread t's")
-            fail(ex, "4 sectors per warp request (32 threads x 4 bytes = 128 bytes)",
-                 f"{trace.sectors_per_request:.1f} sectors per request", hint)
-    passed(ex, "Each warp request now moves 4 sectors, all of them used.")
-
 # ---------------------------------------------------------------------------
-# Exercise 1.2: a deterministic block simulator with a race detector
+# A deterministic block simulator with a race detector
 # ---------------------------------------------------------------------------
 #
 # numba's simulator runs a block's threads as free-running Python threads, so a
@@ -182,13 +83,10 @@ class _Array:
                 f"{self._sim.who()} {verb} {self.name}[{index}], outside the "
                 f"{where} of shape {self.shape}",
                 "a GPU does not check: that thread would read or write "
-                "whatever lies there. " + {
-                    "x": "Threads past the end of x must not read it: let them "
-                         "store 0 instead (if i < x.size: ... else: 0)",
-                    "out": "out has one element per block: thread 0 writes "
-                           "out[cuda.blockIdx.x]",
-                }.get(self.name, "keep shared indices below the block size (the "
-                                 "stride starts at cuda.blockDim.x // 2)"))
+                "whatever lies there. " + self._sim.hints.get(
+                    "shared" if self._shared else self.name,
+                    self._sim.hints.get("bounds", "guard the index with the "
+                                                  "array's size")))
         flat = 0
         for i, s in zip(idx, self.shape, strict=True):
             flat = flat * s + i
@@ -264,33 +162,38 @@ class _FakeCuda:
 
     @property
     def threadIdx(self):
-        return _Dim3(self._sim.current)
+        t, bx = self._sim.current, self._sim.block_dim[0]
+        return _Dim3(t % bx, t // bx)
 
     @property
     def blockIdx(self):
-        return _Dim3(self._sim.block)
+        b, gx = self._sim.block, self._sim.grid_dim[0]
+        return _Dim3(b % gx, b // gx)
 
     @property
     def blockDim(self):
-        return _Dim3(self._sim.threads)
+        return _Dim3(*self._sim.block_dim)
 
     @property
     def gridDim(self):
-        return _Dim3(self._sim.blocks)
+        return _Dim3(*self._sim.grid_dim)
 
     @property
     def laneid(self):
         return self._sim.current % 32
 
     def grid(self, ndim):
-        if ndim != 1:
-            raise KernelFault(f"cuda.grid({ndim})", "this launch is 1-D: cuda.grid(1)")
-        return self._sim.block * self._sim.threads + self._sim.current
+        b, t = self.blockIdx, self.threadIdx
+        xy = (b.x * self._sim.block_dim[0] + t.x, b.y * self._sim.block_dim[1] + t.y)
+        if ndim in (1, 2):
+            return xy[0] if ndim == 1 else xy
+        raise KernelFault(f"cuda.grid({ndim})", "this launch is 1-D or 2-D")
 
     def gridsize(self, ndim):
-        if ndim != 1:
-            raise KernelFault(f"cuda.gridsize({ndim})", "this launch is 1-D")
-        return self._sim.blocks * self._sim.threads
+        g, d = self._sim.grid_dim, self._sim.block_dim
+        if ndim in (1, 2):
+            return g[0] * d[0] if ndim == 1 else (g[0] * d[0], g[1] * d[1])
+        raise KernelFault(f"cuda.gridsize({ndim})", "this launch is 1-D or 2-D")
 
     def syncthreads(self):
         self._sim.barrier()
@@ -303,8 +206,9 @@ class _FakeCuda:
     def __getattr__(self, name):
         raise KernelFault(
             f"the kernel uses cuda.{name}",
-            "this exercise's simulator runs shared memory, syncthreads and "
-            "atomics; write the reduction with those")
+            "the course's simulator runs cuda.grid, cuda.gridsize, the thread "
+            "and block indices, shared memory, syncthreads and atomics: write "
+            "the kernel with those")
 
 
 class _FakeNumba:
@@ -347,18 +251,35 @@ def _rebind(fn: types.FunctionType, cuda, overrides: dict, seen=None):
 class _Launch:
     """Runs one launch block by block, each block's threads one at a time."""
 
-    def __init__(self, fn, blocks: int, threads: int, max_steps: int):
-        self.blocks, self.threads, self.max_steps = blocks, threads, max_steps
+    def __init__(self, fn, grid: tuple, block: tuple, max_steps: int,
+                 hints: dict | None = None):
+        self.grid_dim, self.block_dim = grid, block
+        self.blocks, self.threads = grid[0] * grid[1], block[0] * block[1]
+        self.max_steps, self.hints = max_steps, hints or {}
+        self.log: dict[tuple[int, int], list] = {}  # global accesses per thread
         self.cuda = _FakeCuda(self)
         self.fn = fn
         self.block = self.current = 0
-        self.shared_reads = [0] * threads  # per thread of the current block
+        self.shared_reads = [0] * self.threads  # per thread of the current block
         self.atomics_on = {"shared": 0, "global": 0}
         self.shared_used = False
         self.max_reads = 0
 
+    def tn(self, t: int) -> str:
+        """Thread number t of the block, as (x, y) in a 2-D block."""
+        bx = self.block_dim[0]
+        return str(t) if self.block_dim[1] == 1 else f"({t % bx}, {t // bx})"
+
+    def bn(self) -> str:
+        gx = self.grid_dim[0]
+        return (str(self.block) if self.grid_dim[1] == 1
+                else f"({self.block % gx}, {self.block // gx})")
+
     def who(self) -> str:
-        return f"thread {self.current} of block {self.block}"
+        t, b = self.cuda.threadIdx, self.cuda.blockIdx
+        if self.block_dim[1] == 1 and self.grid_dim[1] == 1:
+            return f"thread {t.x} of block {b.x}"
+        return f"thread ({t.x}, {t.y}) of block ({b.x}, {b.y})"
 
     # --- memory ----------------------------------------------------------
     def step(self):
@@ -368,8 +289,9 @@ class _Launch:
         if self.steps > self.max_steps:
             raise KernelFault(
                 f"more than {self.max_steps:,} memory accesses in block "
-                f"{self.block}", "a loop that never ends? check that the "
-                "stride shrinks each step and that the loop stops at 0")
+                f"{self.block}", self.hints.get(
+                    "steps", "a loop that never ends? check that the loop "
+                    "variable moves towards its end at every step"))
 
     def shared_array(self, shape, dtype):
         self.step()
@@ -377,7 +299,8 @@ class _Launch:
         self.shared_calls[self.current] += 1
         if k == len(self.shared):
             data = np.full(shape, np.nan, dtype=_np_dtype(dtype))
-            self.shared.append(_Array(data, f"shared array {k}" if k else "sdata",
+            self.shared.append(_Array(data, f"shared array {k}" if k else
+                                      self.hints.get("shared_name", "sdata"),
                                       self, shared=True))
             self.written.append(set())
             self.shared_used = True
@@ -386,6 +309,8 @@ class _Launch:
     def access(self, array: _Array, flat: int, write: bool, atomic: bool = False):
         self.step()
         if not array._shared:
+            self.log.setdefault((self.block, self.current), []).append(
+                (array.name, flat, write))
             if atomic:
                 self.atomics_on["global"] += 1
             return
@@ -403,12 +328,12 @@ class _Launch:
                 u = min(other)
                 did = "wrote" if u in writers else "read"
                 raise KernelFault(
-                    f"a race in block {self.block}: thread {me} writes {name}, "
-                    f"which thread {u} {did} since the last syncthreads",
-                    "on a GPU the two may run in either order: put "
-                    "cuda.syncthreads() between the step that writes shared "
-                    "memory and the step that reads it (and before it is "
-                    "written again)")
+                    f"a race in block {self.bn()}: thread {self.tn(me)} writes {name}, "
+                    f"which thread {self.tn(u)} {did} since the last syncthreads",
+                    self._race_hint(me, u, "on a GPU the two may run in either "
+                                    "order: put cuda.syncthreads() between the step "
+                                    "that writes shared memory and the step that "
+                                    "reads it (and before it is written again)"))
             writers.add(me)
             if atomic:
                 self.phase_atomic.add(key)
@@ -418,13 +343,27 @@ class _Launch:
             other = writers - {me}
             if other:
                 raise KernelFault(
-                    f"a race in block {self.block}: thread {me} reads {name}, "
-                    f"which thread {min(other)} wrote since the last syncthreads",
-                    "put cuda.syncthreads() between writing shared memory and "
-                    "reading what other threads wrote")
+                    f"a race in block {self.bn()}: thread {self.tn(me)} reads "
+                    f"{name}, which thread {self.tn(min(other))} wrote since the "
+                    "last syncthreads",
+                    self._race_hint(me, min(other), "put cuda.syncthreads() "
+                                    "between writing shared memory and reading "
+                                    "what other threads wrote"))
             if flat not in self.written[k]:
                 self.unwritten.setdefault(key, me)
             readers.add(me)
+
+    def _race_hint(self, me: int, other: int, usual: str) -> str:
+        most = max(self.barriers)
+        if self.barriers[me] == self.barriers[other] and not (
+                self.state[other] == "done" and self.barriers[other] < most):
+            return usual
+        lagging = other if self.barriers[other] <= self.barriers[me] else me
+        return (f"thread {self.tn(lagging)} passed {self.barriers[lagging]} "
+                f"syncthreads, other threads of the block {most}: a "
+                "cuda.syncthreads() inside a branch that only some threads take "
+                "does not separate them; call it where every thread of the "
+                "block reaches it")
 
     # --- scheduling ------------------------------------------------------
     def barrier(self):
@@ -447,30 +386,29 @@ class _Launch:
         done = [t for t, s in enumerate(self.state) if s == "done"]
         for (k, flat), t in self.unwritten.items():  # a race would have raised
             self._fault(KernelFault(
-                f"thread {t} of block {self.block} reads "
+                f"thread {self.tn(t)} of block {self.bn()} reads "
                 f"{self.shared[k].name}[{flat}], which no thread wrote",
-                "shared memory starts with garbage: every element the "
-                "reduction reads must be stored first (threads past the "
-                "end of x store 0), and the stride must start at half "
-                "the block size"))
+                self.hints.get("unwritten", "shared memory starts with garbage: "
+                               "every element a thread reads must be stored "
+                               "first")))
             return
         if waiting and done:
             self._fault(KernelFault(
-                f"in block {self.block}, thread {waiting[0]} waits at a "
-                f"cuda.syncthreads() that thread {done[0]} never reaches (it "
+                f"in block {self.bn()}, thread {self.tn(waiting[0])} waits at a "
+                f"cuda.syncthreads() that thread {self.tn(done[0])} never reaches (it "
                 "finished the kernel first)",
                 "every thread of a block must reach every syncthreads: a thread "
-                "past the end of x must not return early; let it store 0 and "
-                "take part in the reduction, and keep syncthreads out of "
-                "branches that only some threads take"))
+                "outside the array must not return early; " + self.hints.get(
+                    "early", "guard its loads and stores instead") + ", and keep "
+                "syncthreads out of branches that only some threads take"))
             return
         if len({self.barriers[t] for t in waiting}) > 1:
             first = min(waiting, key=lambda t: self.barriers[t])
             last = max(waiting, key=lambda t: self.barriers[t])
             self._fault(KernelFault(
-                f"in block {self.block}, thread {first} is at its syncthreads "
-                f"number {self.barriers[first]} while thread {last} is at number "
-                f"{self.barriers[last]}",
+                f"in block {self.bn()}, thread {self.tn(first)} is at its "
+                f"syncthreads number {self.barriers[first]} while thread "
+                f"{self.tn(last)} is at number {self.barriers[last]}",
                 "a cuda.syncthreads() inside an `if` that only some threads "
                 "take: call it where every thread of the block reaches it"))
             return
@@ -532,7 +470,7 @@ class _Launch:
         if not self.finished.wait(timeout):
             self._fault(KernelFault(
                 f"block {block} did not finish in {timeout:.0f} s",
-                "a loop that never ends? check that the stride shrinks to 0"))
+                self.hints.get("steps", "a loop that never ends?")))
         for w in workers:
             w.join(1.0)
         if self.error is not None:
@@ -540,29 +478,63 @@ class _Launch:
         self.max_reads = max(self.max_reads, max(self.shared_reads))
 
 
-def simulate_block_kernel(kernel, args, blocks: int, threads: int,
-                          overrides: dict | None = None, max_steps: int = 0):
+def simulate_block_kernel(kernel, args, blocks, threads,
+                          overrides: dict | None = None, max_steps: int = 0,
+                          names=("x", "out", "arg2", "arg3"),
+                          hints: dict | None = None):
     """Run ``kernel[blocks, threads](*args)`` block by block, threads in turn.
 
-    Arrays in ``args`` are NumPy arrays, changed in place. Raises
-    ``KernelFault`` for a race on shared memory, a read of unwritten shared
-    memory, an index outside an array, or a barrier some threads skip; the
-    learner's own exceptions pass through. Returns the launch, whose counters
-    (shared reads per thread, atomics) a checker can read.
+    ``blocks`` and ``threads`` are ints or (x, y) pairs. Arrays in ``args`` are
+    NumPy arrays, changed in place, called ``names`` in messages; ``hints``
+    ("bounds", a name, "shared", "unwritten", "early", "steps") say what to do
+    about each fault. Raises ``KernelFault`` for a race on shared memory, a
+    read of unwritten shared memory, an index outside an array, or a barrier
+    some threads skip; the learner's own exceptions pass through. Returns the
+    launch: its counters (shared reads per thread, atomics) and ``log``, the
+    global accesses of each (block, thread) in program order.
     """
     fn = _python_function(kernel)
     if fn is None:
         raise TypeError("not a Python function or a @cuda.jit kernel")
-    launch = _Launch(None, blocks, threads,
-                     max_steps or 64 * threads * max(8, threads.bit_length()))
+    grid = (blocks, 1) if isinstance(blocks, int) else tuple(blocks)
+    block = (threads, 1) if isinstance(threads, int) else tuple(threads)
+    n = block[0] * block[1]
+    launch = _Launch(None, grid, block, max_steps or 64 * n * max(8, n.bit_length()),
+                     hints)
     launch.fn = _rebind(fn, launch.cuda, overrides or {})
-    wrapped = [(_Array(a, n, launch, shared=False) if isinstance(a, np.ndarray) else a)
-               for a, n in zip(args, ("x", "out", "arg2", "arg3"), strict=False)]
-    for b in range(blocks):
+    wrapped = [(_Array(a, nm, launch, shared=False) if isinstance(a, np.ndarray) else a)
+               for a, nm in zip(args, names, strict=False)]
+    for b in range(launch.blocks):
         launch.run_block(b, wrapped)
     return launch
 
 
+def traces(launch: _Launch, itemsize: int) -> dict[str, Trace]:
+    """Sectors per warp request of a simulated launch: its reads, its writes."""
+    gx, bx = launch.grid_dim[0], launch.block_dim[0]
+
+    def of(write):
+        def accesses(b, t):
+            log = launch.log.get((b[1] * gx + b[0], t[1] * bx + t[0]), [])
+            return [(name, flat) for name, flat, w in log if w == write]
+        return trace_sectors(accesses, launch.grid_dim, launch.block_dim, itemsize)
+
+    return {"reads": of(False), "writes": of(True)}
+
+
+SUM_HINTS = {
+    "x": "Threads past the end of x must not read it: let them store 0 instead "
+         "(if i < x.size: ... else: 0)",
+    "out": "out has one element per block: thread 0 writes out[cuda.blockIdx.x]",
+    "shared": "keep shared indices below the block size (the stride starts at "
+              "cuda.blockDim.x // 2)",
+    "unwritten": "shared memory starts with garbage: every element the reduction "
+                 "reads must be stored first (threads past the end of x store 0), "
+                 "and the stride must start at half the block size",
+    "early": "let it store 0 and take part in the reduction",
+    "steps": "a loop that never ends? check that the stride shrinks each step and "
+             "that the loop stops at 0",
+}
 SUM_CASES = ((32, 32), (64, 100), (32, 1), (128, 256), (64, 200))  # (threads, n)
 
 
@@ -618,7 +590,8 @@ def check_block_sum(block_sum) -> None:
         what = f"n = {n} in blocks of THREADS = {threads}"
         try:
             launch = simulate_block_kernel(block_sum, (x, out), blocks, threads,
-                                           overrides={"THREADS": threads})
+                                           overrides={"THREADS": threads},
+                                           hints=SUM_HINTS)
         except KernelFault as e:
             fail(ex, f"a correct, race-free launch for {what}", e.seen, e.hint)
         except Exception as e:  # the learner's code raised
@@ -683,3 +656,330 @@ def _run_block_sum_on_gpu(ex: str, block_sum, fn) -> str:
                  "the simulator found no race; check the kernel's types "
                  "(float32 shared memory) and its THREADS")
     return f"It also ran on the GPU with THREADS = {threads}."
+
+
+# ---------------------------------------------------------------------------
+# Exercise 1.1: a grid-stride loop
+# ---------------------------------------------------------------------------
+
+# (blocks, threads per block, n): fewer threads than elements, more threads
+# than elements, one block, one element
+AXPY_LAUNCHES = ((1, 32, 100), (3, 64, 1000), (4, 64, 37), (2, 32, 64), (2, 64, 1))
+AXPY_HINTS = {
+    "bounds": "stop the loop at x.size: for i in range(start, x.size, stride)",
+    "steps": "a loop that never ends, or a stride too small? Each step must "
+             "move the index on by the number of threads in the whole grid, "
+             "cuda.gridsize(1)",
+}
+
+
+def _axpy_data(rng, n: int, dtype) -> tuple:
+    """Values of mixed magnitudes and a coefficient with many digits."""
+    mags = 10.0 ** rng.integers(-6, 7, n)
+    x = (rng.standard_normal(n) * mags).astype(dtype)
+    y = (rng.standard_normal(n) * mags[::-1]).astype(dtype)
+    return dtype(1 / 3 + 1e-9), x, y
+
+
+def _axpy_hint(out, a, x, y) -> str:
+    """Name the wrong values, when they are a known mistake."""
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    if x.dtype == np.float64:
+        a32 = float(np.float32(a))
+        low = (np.float32(a) * x.astype(np.float32) + y.astype(np.float32))
+        if np.allclose(out, low, rtol=1e-6) or np.allclose(out, a32 * x64 + y64,
+                                                           rtol=1e-12):
+            return ("the float64 case lost digits: something went through "
+                    "float32 (a float32(...) cast or a float32 local); compute "
+                    "in the arrays' own type")
+    if np.allclose(out, x64 + y64, rtol=1e-5):
+        return "a was left out: out[i] = a * x[i] + y[i]"
+    if np.allclose(out, a * (x64 + y64), rtol=1e-5):
+        return "a multiplies x[i] only: out[i] = a * x[i] + y[i]"
+    if np.allclose(out, a * y64 + x64, rtol=1e-5):
+        return "x and y swapped: out[i] = a * x[i] + y[i]"
+    return "out[i] = a * x[i] + y[i] for every i"
+
+
+def check_axpy(axpy) -> None:
+    """Exercise 1.1: ``out[i] = a * x[i] + y[i]`` with a grid-stride loop.
+
+    Launched on the block simulator with grids that have fewer and more
+    threads than elements, float32 and float64 data of mixed magnitudes; each
+    element must be written exactly once, x and y left as they were, and each
+    warp request must touch no more sectors than a coalesced loop's.
+    """
+    ex = "1.1"
+    fn = _python_function(axpy)
+    if fn is None:
+        fail(ex, "a @cuda.jit kernel axpy(a, x, y, out)",
+             f"{type(axpy).__name__} {axpy!r:.60}",
+             "run the exercise cell that defines it first")
+    require_solution(ex, fn)
+    rng = np.random.default_rng(11)
+    for dtype in (np.float32, np.float64):
+        for blocks, threads, n in AXPY_LAUNCHES:
+            a, x, y = _axpy_data(rng, n, dtype)
+            x0, y0 = x.copy(), y.copy()
+            out = np.full(n, np.nan, dtype=dtype)
+            what = (f"n = {n} {np.dtype(dtype).name} elements, {blocks} blocks of "
+                    f"{threads} threads")
+            launch = _simulate(ex, axpy, (a, x, y, out), blocks, threads, what,
+                               names=("a", "x", "y", "out"), hints=AXPY_HINTS,
+                               max_steps=16 * n + 64 * threads)
+            _check_inputs_kept(ex, what, x=(x, x0), y=(y, y0))
+            writes = np.zeros(n, dtype=int)
+            for entries in launch.log.values():
+                for name, flat, write in entries:
+                    if write and name == "out":
+                        writes[flat] += 1
+            n_threads = blocks * threads
+            if (writes == 0).any():
+                missing = np.flatnonzero(writes == 0)
+                i = int(missing[0])
+                fail(ex, f"every element of out written ({what})",
+                     f"{missing.size} elements never written, the first out[{i}]",
+                     "the loop runs up to x.size itself, not x.size - 1"
+                     if missing.tolist() == [n - 1] else
+                     f"the grid has {n_threads} threads; each must go on to "
+                     "i + cuda.gridsize(1), i + 2 * cuda.gridsize(1), ... until "
+                     "x.size" if i >= n_threads else
+                     "the first index of a thread is its global index "
+                     "cuda.grid(1) (blockIdx.x * blockDim.x + threadIdx.x)")
+            if (writes > 1).any():
+                i = int(np.flatnonzero(writes > 1)[0])
+                fail(ex, f"every element of out written once ({what})",
+                     f"out[{i}] written {writes[i]} times",
+                     "the stride is the number of threads in the whole grid, "
+                     "cuda.gridsize(1) (cuda.blockDim.x * cuda.gridDim.x), and "
+                     "each thread starts at its global index cuda.grid(1)")
+            want = a * x0.astype(np.float64) + y0
+            scale = np.abs(a * x0.astype(np.float64)) + np.abs(y0)
+            err = np.abs(out - want) / scale
+            if not (err <= 4 * np.finfo(dtype).eps).all():
+                fail(ex, f"out[i] = a * x[i] + y[i] ({what})",
+                     f"an error of {err.max():.3g} relative to |a * x[i]| + |y[i]|",
+                     _axpy_hint(out, a, x0, y0))
+            itemsize = np.dtype(dtype).itemsize
+            got = traces(launch, itemsize)
+            for kind, trace in got.items():
+                ideal = _ideal_1d(blocks, threads, n, itemsize, reads=kind == "reads")
+                if trace.sectors_per_request > 1.05 * ideal.sectors_per_request + 0.1:
+                    fail(ex, f"{ideal.sectors_per_request:.1f} sectors per warp "
+                             f"request for the {kind} ({what}), as a coalesced loop",
+                         f"{trace.sectors_per_request:.1f}",
+                         "in each step, thread t + 1 must touch the element right "
+                         "after thread t's: start at cuda.grid(1) and step by the "
+                         "whole grid, instead of giving each thread a block of "
+                         "neighbouring elements")
+                _check_requests(ex, kind, trace, ideal, what)
+    note = "Any grid covers any n, and each warp request stays coalesced."
+    if kernel_target() == "GPU":
+        note += " " + _run_axpy_on_gpu(ex, axpy)
+    passed(ex, note)
+
+
+def _simulate(ex, kernel, args, blocks, threads, what, **kw):
+    """Run the learner's kernel on the block simulator; name what went wrong."""
+    try:
+        return simulate_block_kernel(kernel, args, blocks, threads, **kw)
+    except KernelFault as e:
+        fail(ex, f"a correct, race-free launch for {what}", e.seen, e.hint)
+    except Exception as e:  # the learner's code raised
+        first = str(e).splitlines()[0] if str(e) else ""
+        fail(ex, f"the kernel to run for {what}",
+             f"it raised {type(e).__name__}: {first}",
+             "fix that error and run the exercise cell again")
+    raise AssertionError("unreachable")
+
+
+def _check_requests(ex, kind, trace: Trace, ideal: Trace, what) -> None:
+    """Few threads doing the work of many issue many small warp requests."""
+    if trace.total_sectors > 2 * ideal.total_sectors + 2:
+        fail(ex, f"about {ideal.requests} warp requests for the global {kind}, "
+                 f"moving {ideal.total_sectors} sectors ({what})",
+             f"{trace.requests} requests moving {trace.total_sectors} sectors",
+             "a few threads do the work of all: a warp request should serve "
+             "32 elements, one per thread, so every thread of the grid takes "
+             "its share")
+
+
+def _check_inputs_kept(ex, what, **arrays) -> None:
+    for name, (now, before) in arrays.items():
+        if not np.array_equal(now, before, equal_nan=True):
+            fail(ex, f"{name} left as it was ({what})", f"{name} was changed",
+                 "write the results to out only")
+
+
+def _ideal_1d(blocks, threads, n, itemsize, reads):
+    """The trace of a coalesced grid-stride loop over n elements."""
+    stride = blocks * threads
+
+    def accesses(b, t):
+        start = b[0] * threads + t[0]
+        per = [("x", i) for i in range(start, n, stride)]
+        if reads:
+            return [acc for i in range(start, n, stride)
+                    for acc in (("x", i), ("y", i))]
+        return [("out", i) for _, i in per]
+    return trace_sectors(accesses, blocks, threads, itemsize)
+
+
+def _run_axpy_on_gpu(ex, axpy) -> str:
+    from numba import cuda
+
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.float64):
+        a, x, y = _axpy_data(rng, 100_003, dtype)
+        out = cuda.device_array_like(x)
+        call_learner(ex, axpy[40, 128], a, cuda.to_device(x), cuda.to_device(y), out)
+        cuda.synchronize()
+        if not np.allclose(out.copy_to_host(), a * x + y, rtol=1e-5):
+            fail(ex, f"the same values on the GPU ({np.dtype(dtype).name})",
+                 "different values", "the simulator passed it; check the types")
+    return "It also ran on the GPU."
+
+
+# ---------------------------------------------------------------------------
+# Exercise 1.3: a tiled transpose through shared memory
+# ---------------------------------------------------------------------------
+
+# (TILE, rows, columns of a): square and not, multiples of TILE and not
+TRANSPOSE_CASES = ((8, 16, 16), (8, 19, 17), (16, 17, 20), (8, 5, 24), (8, 1, 17))
+TRANSPOSE_HINTS = {
+    "shared_name": "tile",
+    "a": "guard the load: only threads with y < a.shape[0] and x < a.shape[1] "
+         "read a (the others store nothing, but still reach syncthreads)",
+    "out": "guard the store: out has a.shape[1] rows and a.shape[0] columns",
+    "shared": "the tile is TILE x TILE: index it with threadIdx.x and threadIdx.y",
+    "unwritten": "a thread reads a tile element nobody stored: the store and the "
+                 "load of the tile must cover the same TILE x TILE positions "
+                 "(and a thread outside a may skip its store only because its "
+                 "partner skips the matching read)",
+    "early": "guard the load and the store with an `if` instead",
+    "steps": "a loop that never ends?",
+}
+
+
+def _transposes_within(a: np.ndarray, tile: int) -> np.ndarray:
+    """out with tiles in transposed places but each tile's content not transposed."""
+    h, w = a.shape
+    out = np.full((w, h), np.nan)
+    for r in range(w):
+        for c in range(h):
+            rr, cc = (c // tile) * tile + r % tile, (r // tile) * tile + c % tile
+            if rr < h and cc < w:
+                out[r, c] = a[rr, cc]
+    return out
+
+
+def _transpose_hint(out, a, tile) -> str:
+    want = a.T.astype(np.float64)
+    ok = ~np.isnan(out)
+    if a.shape[0] == a.shape[1] and np.array_equal(out, a):
+        return "out is a copy of a: out[r, c] must be a[c, r]"
+    if a.dtype == np.float64 and np.allclose(out, want, rtol=1e-6) and \
+            np.array_equal(out, want.astype(np.float32).astype(np.float64)):
+        return ("the float64 values lost digits in a float32 tile: declare the "
+                "tile float64, which holds float32 values exactly too")
+    inner = _transposes_within(a, tile)
+    if np.array_equal(out[ok], inner[ok]):
+        return ("each tile lands in the right place but is not transposed "
+                "inside: the thread that writes out[r, c] reads tile[threadIdx.x, "
+                "threadIdx.y], the transpose of where it stored")
+    return "out[r, c] = a[c, r] for every r < a.shape[1], c < a.shape[0]"
+
+
+def check_transpose(transpose) -> None:
+    """Exercise 1.3: ``out = a.T`` through a shared-memory tile, coalesced both ways.
+
+    Launched on the block simulator over TILE x TILE blocks (TILE = 8 and 16,
+    set for each launch) for square and rectangular matrices, with sizes that
+    are and are not multiples of TILE, float32 and float64 data of mixed
+    magnitudes; races, unwritten shared reads, skipped barriers and indices
+    outside the arrays are named. The global reads and the global writes must
+    each be as coalesced as a tiled transpose's.
+    """
+    ex = "1.3"
+    fn = _python_function(transpose)
+    if fn is None:
+        fail(ex, "a @cuda.jit kernel transpose(a, out)",
+             f"{type(transpose).__name__} {transpose!r:.60}",
+             "run the exercise cell that defines it first")
+    require_solution(ex, fn)
+    rng = np.random.default_rng(13)
+    for dtype in (np.float32, np.float64):
+        for tile, h, w in TRANSPOSE_CASES:
+            a = (rng.standard_normal((h, w)) * 10.0 ** rng.integers(-6, 7, (h, w))
+                 + 1 / 3).astype(dtype)
+            a0 = a.copy()
+            out = np.full((w, h), np.nan, dtype=dtype)
+            grid = (-(-w // tile), -(-h // tile))
+            what = (f"a of shape {h} x {w} ({np.dtype(dtype).name}), TILE = "
+                    f"{tile}, a grid of {grid[0]} x {grid[1]} blocks")
+            launch = _simulate(ex, transpose, (a, out), grid, (tile, tile), what,
+                               names=("a", "out"), hints=TRANSPOSE_HINTS,
+                               overrides={"TILE": tile},
+                               max_steps=16 * tile * tile)
+            _check_inputs_kept(ex, what, a=(a, a0))
+            if np.isnan(out).any():
+                r, c = (int(v[0]) for v in np.nonzero(np.isnan(out)))
+                fail(ex, f"every element of out written ({what})",
+                     f"out[{r}, {c}] never written",
+                     "each block writes the TILE x TILE tile of out at row "
+                     "blockIdx.x * TILE, column blockIdx.y * TILE; use TILE (the "
+                     "check sets it to 8 and 16), not a number")
+            if not np.array_equal(out, a0.T):
+                r, c = (int(v[0]) for v in np.nonzero(out != a0.T))
+                fail(ex, f"out[{r}, {c}] = a[{c}, {r}] = {float(a0[c, r])!r} ({what})",
+                     repr(float(out[r, c])), _transpose_hint(out, a0, tile))
+            got = traces(launch, np.dtype(dtype).itemsize)
+            ideal = _ideal_transpose(h, w, tile, np.dtype(dtype).itemsize)
+            for kind, trace in got.items():
+                if trace.sectors_per_request > 1.05 * ideal[kind].sectors_per_request:
+                    fail(ex, f"{ideal[kind].sectors_per_request:.1f} sectors per "
+                             f"warp request for the global {kind} ({what}), as a "
+                             "tiled transpose",
+                         f"{trace.sectors_per_request:.1f}",
+                         "the threads of a warp read a along a row (threadIdx.x "
+                         "picks the column of a)" if kind == "reads" else
+                         "the threads of a warp write out along a row: "
+                         "threadIdx.x must pick the column of out, so the tile "
+                         "is read transposed (tile[threadIdx.x, threadIdx.y]) "
+                         "and the block's place in out swaps blockIdx.x and "
+                         "blockIdx.y")
+                _check_requests(ex, kind, trace, ideal[kind], what)
+    note = "Reads and writes are both coalesced; the tile turns the corner."
+    if kernel_target() == "GPU":
+        note += " " + _run_transpose_on_gpu(ex, transpose, fn)
+    passed(ex, note)
+
+
+def _ideal_transpose(h, w, tile, itemsize) -> dict[str, Trace]:
+    grid = (-(-w // tile), -(-h // tile))
+
+    def of(write):
+        def accesses(b, t):
+            if write:
+                r, c = b[0] * tile + t[1], b[1] * tile + t[0]
+                return [("out", r * h + c)] if r < w and c < h else []
+            y, x = b[1] * tile + t[1], b[0] * tile + t[0]
+            return [("a", y * w + x)] if y < h and x < w else []
+        return trace_sectors(accesses, grid, (tile, tile), itemsize)
+
+    return {"reads": of(False), "writes": of(True)}
+
+
+def _run_transpose_on_gpu(ex, transpose, fn) -> str:
+    from numba import cuda
+
+    tile = int(fn.__globals__.get("TILE", 16))
+    a = np.random.default_rng(4).standard_normal((300, 170)).astype(np.float32)
+    out = cuda.device_array((170, 300), dtype=np.float32)
+    grid = (-(-170 // tile), -(-300 // tile))
+    call_learner(ex, transpose[grid, (tile, tile)], cuda.to_device(a), out)
+    cuda.synchronize()
+    if not np.array_equal(out.copy_to_host(), a.T):
+        fail(ex, "the same transpose on the GPU", "different values",
+             "the simulator passed it; check the tile's type and TILE")
+    return f"It also ran on the GPU with TILE = {tile}."
