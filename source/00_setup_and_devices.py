@@ -14,12 +14,15 @@
 #   `memory_cached`.
 #
 # **Hardware.** Every cell runs on a laptop CPU. With a GPU the probes describe
-# it and the memory cells measure it; without one they say so, use the CPU (and
-# PyTorch's `meta` device) for the same lessons, and show results recorded on a
-# real GPU where one has been recorded.
+# it and the memory cells measure it; without one they say so and use the CPU
+# (and PyTorch's `meta` device) for the same lessons. A GPU figure shown
+# without a GPU is labelled with its kind: *published* (a datasheet or paper,
+# cited), *predicted* (a stated model), or *recorded* (a run of this course on
+# a GPU, when one has been made).
 
 # %%
 import gc
+import threading
 import warnings
 
 import matplotlib.pyplot as plt
@@ -48,62 +51,84 @@ banner();
 # Three pressures push training off a single processor:
 #
 # - **Compute.** Training a frontier model now takes 10^25 floating-point
-#   operations (FLOP) and more. Meta published about 3.8 x 10^25 FLOP for
-#   Llama 3.1 405B. No single chip does that in a useful time.
+#   operations (FLOP) and more (Meta's published count for Llama 3 405B is
+#   printed below). No single chip does that in a useful time.
 # - **Memory.** A model's weights, gradients and optimizer state outgrow one
 #   device's memory long before they outgrow a cluster's.
 # - **Scale.** Both problems are solved by many devices working together, which
 #   brings the subject of this course: splitting the work and moving data
 #   between devices without wasting them. How many GPUs fit in one server is
-#   not set by PCIe lanes any more (older slides give 8-10 per server for that
-#   reason). A training server typically holds 8 GPUs joined by
-#   NVLink through NVSwitch chips (published: 900 GB/s per H100), and what
+#   not set by PCIe lanes any more, as older slides say. A training server
+#   typically holds 8 GPUs joined by NVLink through NVSwitch chips, and what
 #   stops it from holding more is power, cooling and how the links can be
-#   wired. Between servers the network is much slower (published: one
-#   400 Gb/s InfiniBand NDR port). The fast domain is growing: NVIDIA's
-#   GB200 NVL72 joins 72 GPUs by NVLink across a whole rack (published).
+#   wired. Between servers the network is much slower. The fast domain is
+#   growing: NVIDIA's GB200 NVL72 joins a whole rack of GPUs by NVLink.
 #
 # The paper on Megatron-LM (Narayanan et al., SC'21) reports training a GPT
-# model of about one trillion parameters on **3072 NVIDIA A100 80 GB GPUs** at an
-# aggregate **502 PFLOP/s**. The published figures are enough to see both
-# pressures; the next cell does the arithmetic. Nothing in it is measured here:
-# its results are arithmetic consequences of published figures.
+# model of about one trillion parameters on thousands of A100 GPUs. Its
+# published figures are enough to see both pressures; the next cell does the
+# arithmetic. Nothing in it is measured here: each input is a published figure
+# from the course's data files, and its source is printed once, below.
 
 # %%
-gpus, aggregate = 3072, 502e15  # published: GPUs, achieved FLOP/s
-a100_peak = 312e12  # A100 dense fp16/bf16 tensor-core peak, FLOP/s (datasheet)
+cited = {}
+
+
+def published(key):
+    """The value of a published figure; its source is listed by `sources()`."""
+    cited[key] = reference.published(key)
+    return cited[key].value
+
+
+def sources():
+    for key, fig in cited.items():
+        print(f"  [{key}] {fig.value} {fig.unit}: {fig.label}")
+    cited.clear()
+
+
+gpus = published("megatron_2021.gpu_count")
+aggregate = published("megatron_2021.aggregate_pflops") * 1e15  # FLOP/s
+a100_peak = published("a100_sxm_80gb.bf16_tensor_dense_tflops") * 1e12
 per_gpu = aggregate / gpus
-print(f"per GPU: {per_gpu / 1e12:.0f} TFLOP/s = "
-      f"{per_gpu / a100_peak:.0%} of the A100 peak")
+print(f"{gpus} GPUs at {aggregate / 1e15:.0f} PFLOP/s: {per_gpu / 1e12:.0f} TFLOP/s "
+      f"per GPU = {per_gpu / a100_peak:.0%} of the A100's bf16 peak")
 
 params = 1e12
 bytes_per_param = 2 + 2 + 12  # fp16 weights, fp16 grads, fp32 master weights + Adam
 state = params * bytes_per_param
-print(f"weights + grads + Adam state: {state / 1e12:.0f} TB; "
-      f"at least {state / 80e9:.0f} GPUs of 80 GB just to hold them")
+gpu_bytes = published("h100_sxm.memory_gb") * 1e9
+print(f"weights + grads + Adam state: {state / 1e12:.0f} TB; at least "
+      f"{state / gpu_bytes:.0f} GPUs of {gpu_bytes / 1e9:.0f} GB just to hold them")
 
-llama_flop = 3.8e25  # published by Meta: training compute of Llama 3.1 405B
+llama_flop = published("llama3.training_compute_flop")
 days = llama_flop / aggregate / 86400
-print(f"Llama 3.1 405B at the Megatron run's 502 PFLOP/s: {days:.0f} days "
-      f"({days / 365:.1f} years)")
+print(f"Llama 3 405B ({llama_flop:.1e} FLOP) at the Megatron run's rate: "
+      f"{days:.0f} days ({days / 365:.1f} years); Meta used "
+      f"{published('llama3.gpus'):,} H100s")
+print("sources:")
+sources()
 
 # %% [markdown]
 # Each GPU kept about half of its peak busy, and merely *storing* the training
 # state needs a couple of hundred GPUs - before a single activation is kept for
-# the backward pass. And the whole 3072-GPU machine of 2021 would need years
-# for one of today's frontier training runs; Meta reports using up to 16K H100
-# GPUs for it (published).
+# the backward pass. And the whole machine of 2021 would need years for one of
+# today's frontier training runs.
 #
-# The two bandwidths in the *Scale* bullet are quoted differently: NVIDIA's
-# 900 GB/s adds both directions, a network port's 400 Gb/s is bits per second
-# in each direction. Put on the same footing:
+# The bandwidths of the *Scale* bullet are quoted differently: NVIDIA's NVLink
+# figure adds both directions, a network port's is bits per second in each
+# direction. Put on the same footing:
 
 # %%
-nvlink_each_way = 900e9 / 2  # H100 NVLink, published 900 GB/s = both directions
-ndr_each_way = 400e9 / 8  # one InfiniBand NDR port, published 400 Gb/s each way
-print(f"NVLink: {nvlink_each_way / 1e9:.0f} GB/s each way per H100; "
-      f"one NDR port: {ndr_each_way / 1e9:.0f} GB/s each way "
+nvlink_each_way = published("h100_sxm.nvlink_bandwidth_total_gbps") / 2  # GB/s
+ndr_each_way = published("ndr_infiniband.bandwidth_per_direction_gbps")  # 400 Gb/s
+print(f"NVLink: {nvlink_each_way:.0f} GB/s each way per H100; "
+      f"one NDR port: {ndr_each_way:.0f} GB/s each way "
       f"({nvlink_each_way / ndr_each_way:.0f}x less)")
+print(f"one NVLink domain: {published('hgx_h100.gpus_per_nvlink_domain')} GPUs in "
+      f"an H100 server, {published('gb200_nvl72.gpus_per_nvlink_domain')} in a "
+      "GB200 NVL72 rack")
+print("sources:")
+sources()
 
 # %% [markdown]
 # That gap between inside a server and across servers shapes how later
@@ -278,21 +303,32 @@ print("torch.device('cuda') == torch.device('cuda:0'):",
 # Three calls read and change the current device; they need a GPU:
 #
 # - `torch.cuda.current_device()` returns its index;
-# - `torch.cuda.set_device(i)` changes it for the rest of the process
-#   (Chapter 6 calls it once in each process, so that each process's `"cuda"`
-#   is its own GPU);
+# - `torch.cuda.set_device(i)` changes it for the **calling thread** from then
+#   on, not for the process: the CUDA runtime keeps one current device per
+#   host thread (`cudaSetDevice`), and a thread started later begins on GPU 0
+#   (Chapter 6 calls it once in each process, at the start of the thread that
+#   does the work, so that each process's `"cuda"` is its own GPU);
 # - `with torch.cuda.device(i):` changes it inside the block only, and puts
 #   the old one back at the end.
 #
 # Calls that take no device use the current one. Chapter 3 relies on this:
 # `torch.cuda.synchronize()` with no argument waits for the current device
 # only, not for every GPU. With two GPUs or more the cell shows the current
-# device changing; with one it shows where `"cuda"` lands; without a GPU it
-# says what it would show.
+# device changing, in this thread and not in a new one; with one it shows
+# where `"cuda"` lands; without a GPU it says what it would show.
 
 # %%
 def lands_on():
     return torch.ones(1, device="cuda").device
+
+
+def in_a_new_thread(fn):
+    """What `fn()` returns when a freshly started thread calls it."""
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(value=fn()))
+    worker.start()
+    worker.join()
+    return out["value"]
 
 
 if torch.cuda.device_count() >= 2:
@@ -303,19 +339,23 @@ if torch.cuda.device_count() >= 2:
               "| 'cuda' lands on", lands_on())
     print("after the block:", torch.cuda.current_device())
     torch.cuda.set_device(1)
-    print("after set_device(1):", torch.cuda.current_device(),
-          "| 'cuda' lands on", lands_on())
+    print("after set_device(1): this thread", torch.cuda.current_device(),
+          "| 'cuda' lands on", lands_on(), "| a new thread:",
+          in_a_new_thread(torch.cuda.current_device), "and lands on",
+          in_a_new_thread(lands_on))
     torch.cuda.set_device(start)  # put it back for the rest of the notebook
 elif torch.cuda.is_available():
     print("current device:", torch.cuda.current_device(), "| 'cuda' lands on",
-          lands_on())
+          lands_on(), "| in a new thread:", in_a_new_thread(lands_on))
     print("One GPU: there is no other device to switch to. With two, set_device(1) "
-          "and `with torch.cuda.device(1)` would make 'cuda' land on cuda:1.")
+          "would make 'cuda' land on cuda:1 in this thread only; a new thread "
+          "would still start on cuda:0.")
 else:
     print("No GPU, so there is no current device. On a machine with two GPUs, "
-          "current_device() answers 0 at the start and a tensor made with "
-          "device='cuda' lands on cuda:0; after set_device(1), or inside "
-          "`with torch.cuda.device(1)`, it lands on cuda:1.")
+          "current_device() answers 0 at the start and device='cuda' lands on "
+          "cuda:0; after set_device(1), or inside `with torch.cuda.device(1)`, "
+          "it lands on cuda:1 in this thread, while a thread started afterwards "
+          "still begins on cuda:0.")
 
 # %% [markdown]
 # Two names look alike and do different jobs. `torch.device("cuda", 0)` is a
@@ -499,7 +539,8 @@ print("MyModule(4, 2).to(device):", next(MyModule(4, 2).to(device).parameters())
 # Factory functions (`torch.zeros`, `torch.randn`, `torch.tensor`, ...) and the
 # layers built with them make their tensors on the *default device*, the CPU
 # unless you change it. `with torch.device(d):` changes it inside the block;
-# `torch.set_default_device(d)` changes it for the rest of the process. An
+# `torch.set_default_device(d)` changes it from then on, for the calling
+# thread only, like `set_device` (PyTorch keeps it in a `threading.local`). An
 # explicit `device=` still wins. Building a model inside
 # `with torch.device("cuda"):` makes its parameters on the GPU directly,
 # without a copy on the CPU first, and `with torch.device("meta"):` builds a
@@ -519,7 +560,8 @@ print("after the block:", torch.zeros(2).device)
 torch.set_default_device("meta")
 try:
     print("after set_default_device('meta'): torch.tensor([1.0]) on",
-          torch.tensor([1.0]).device)
+          torch.tensor([1.0]).device, "| in a new thread:",
+          in_a_new_thread(lambda: torch.tensor([1.0]).device))
 finally:
     torch.set_default_device(None)  # back to the CPU for the rest of the notebook
 print("default device now:", torch.get_default_device())

@@ -1,6 +1,7 @@
 """Chapter 0's checkers accept varied correct answers and name typical mistakes."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -102,9 +103,26 @@ def run_on_moves_the_batch_in_place(model, batch, device):
     return model(batch.to(device))
 
 
+def run_on_float32(model, batch, device):  # forces float32 on the way
+    return model.to(device, torch.float32)(batch.to(device, torch.float32))
+
+
+_FIRST = {}
+
+
+def run_on_remembers(model, batch, device):  # the first output, kept per device
+    model.to(device)
+    key = (str(device), id(model))
+    if key not in _FIRST:
+        _FIRST[key] = model(batch.to(device))
+    return _FIRST[key]
+
+
 @pytest.mark.parametrize(
     "mistake, words",
     [
+        (run_on_float32, "float64 output"),
+        (run_on_remembers, "second call"),
         (run_on_batch_not_assigned, "returns a NEW tensor"),
         (run_on_ignores_device, "run the model on the device"),
         (run_on_hard_coded_cuda,
@@ -359,3 +377,14 @@ class RampBackToCPU(RampBuffer):
 )
 def test_add_ramp_names_the_mistake(mistake, words):
     assert words in failure(check_add_ramp, mistake)
+
+
+def test_a_learner_that_never_returns_is_stopped(monkeypatch):
+    from course_utils.checks import ch00
+
+    monkeypatch.setattr(ch00, "TIMEOUT_S", 0.5)
+
+    def run_on_forever(model, batch, device):  # as good as for ever, here
+        time.sleep(3)
+
+    assert "within" in failure(check_run_on, run_on_forever)

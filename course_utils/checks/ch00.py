@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from torch import nn
@@ -35,7 +36,32 @@ HINTS = {
 }
 
 
-def _model_and_batch(seed: int, n_in: int, rows: int):
+TIMEOUT_S = 20.0
+
+
+def _guarded(ex: str, fn, *args, hints=None):
+    """``call_learner`` in a worker thread, so that a check never hangs."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = call_learner(ex, fn, *args, hints=hints)
+        except BaseException as e:  # re-raised below, in the checker's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(TIMEOUT_S)
+    if worker.is_alive():
+        fail(ex, f"your code to return within {TIMEOUT_S:.0f} s",
+             "it was still running", "look for a loop that never ends")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _model_and_batch(seed: int, n_in: int, rows: int,
+                     dtype: torch.dtype = torch.float32):
     """A small model with a buffer (BatchNorm's running statistics) and a batch."""
     g = torch.Generator().manual_seed(seed)
     model = nn.Sequential(
@@ -47,7 +73,7 @@ def _model_and_batch(seed: int, n_in: int, rows: int):
         model[1].running_mean.copy_(torch.randn(16, generator=g))
         model[1].running_var.copy_(torch.rand(16, generator=g) + 0.5)
     model.eval()  # the buffers are used, not updated
-    return model, torch.randn(rows, n_in, generator=g)
+    return model.to(dtype), torch.randn(rows, n_in, generator=g, dtype=dtype)
 
 
 def _where(model: nn.Module) -> set[torch.device]:
@@ -77,7 +103,7 @@ def _check_model_moved(ex: str, model: nn.Module, device: torch.device) -> None:
 def _call_run_on(ex, run_on, model, batch, device):
     """Call the learner; a device error with only the buffers behind says so."""
     try:
-        return call_learner(ex, run_on, model, batch, device, hints=HINTS)
+        return _guarded(ex, run_on, model, batch, device, hints=HINTS)
     except ExerciseFailed:
         params = {p.device.type for p in model.parameters()}
         buffers = {b.device.type for b in model.buffers()}
@@ -96,8 +122,9 @@ def check_run_on(run_on) -> None:
     buffer, so moving only the parameters is caught too).
     """
     ex = "0.1"
-    for seed, n_in, rows in ((0, 8, 5), (1, 5, 7)):
-        model, batch = _model_and_batch(seed, n_in, rows)
+    for seed, n_in, rows, dtype in ((0, 8, 5, torch.float32), (1, 5, 7, torch.float32),
+                                    (2, 6, 3, torch.float64)):
+        model, batch = _model_and_batch(seed, n_in, rows, dtype)
         with torch.no_grad():
             expected = model(batch)
         meta = torch.device("meta")
@@ -120,9 +147,22 @@ def check_run_on(run_on) -> None:
         if not torch.equal(batch_given, batch):
             fail(ex, "the caller's batch unchanged", "run_on changed it in place",
                  "batch.to(device) gives a moved copy; do not write into the batch")
+        if out.dtype != expected.dtype:
+            fail(ex, f"a {expected.dtype} output for a {dtype} model and batch",
+                 f"{out.dtype}", "move with .to(device) only: .float() or a "
+                 "dtype in .to() changes the numbers' precision")
         check_close(ex, out, expected, rtol=1e-4, atol=1e-5,
                     what="the model's output",
                     hint="return model(batch) itself, not a modified copy")
+        # called again with the model already there and a new batch: nothing
+        # may be kept from the first call
+        again = batch.flip(0) * 0.5
+        with torch.no_grad():
+            expected = model(again)
+        out = _call_run_on(ex, run_on, given, again.clone(), device)
+        check_close(ex, out, expected, rtol=1e-4, atol=1e-5,
+                    what="the output of a second call with another batch",
+                    hint="compute the output afresh on every call")
     passed(ex, f"It ran on meta (shapes only) and on {device}, and moved the model.")
 
 
@@ -172,7 +212,7 @@ def check_memory_held(memory_held) -> None:
     """
     ex = "0.2"
     for what, tensors in _memory_cases():
-        seen = call_learner(ex, memory_held, list(tensors))
+        seen = _guarded(ex, memory_held, list(tensors))
         check_type(ex, seen, (int, float, torch.Tensor), "memory_held's result")
         if isinstance(seen, torch.Tensor) and seen.numel() != 1:
             fail(ex, "one number of bytes", f"a tensor of shape {tuple(seen.shape)}")
@@ -247,13 +287,13 @@ def check_add_ramp(AddRamp) -> None:
     g = torch.Generator().manual_seed(3)
 
     def build(n):
-        m = call_learner(ex, AddRamp, n, hints=RAMP_HINTS)
+        m = _guarded(ex, AddRamp, n, hints=RAMP_HINTS)
         check_type(ex, m, nn.Module, f"AddRamp({n})")
         return m
 
     def run(m, x, where):
         given = x.clone()
-        out = call_learner(ex, m, x, hints=RAMP_HINTS)
+        out = _guarded(ex, m, x, hints=RAMP_HINTS)
         check_type(ex, out, torch.Tensor, f"the output {where}")
         check_shape(ex, out, x.shape, f"the output {where}")
         if x.device.type != "meta" and not torch.equal(x, given):
