@@ -238,10 +238,10 @@ seed_experiment(size=2**15, steps=1000)
 # (`.item()`, `print`, `.cpu()`) or calls `torch.cuda.synchronize()`.
 #
 # The seed started its timer, launched 1000 additions and stopped the timer.
-# The queue has room for roughly a thousand launches (the exact depth is a driver
-# detail), so all 1000 were accepted without waiting, and the timer measured
-# **1000 launches**: some tens of microseconds each, whatever the size. That is
-# the flat 0.044 s. The GPU was still working when the number was printed.
+# The queue is deep enough (its depth is a driver detail) that the launches
+# were accepted without waiting, and the timer measured **1000 launches**:
+# some tens of microseconds each, whatever the size. That is the flat 0.044 s.
+# The GPU was still working when the number was printed.
 #
 # The seed made three more mistakes that blur small sizes: it created the
 # tensor and copied it to the GPU *inside* the timer, it measured one run only,

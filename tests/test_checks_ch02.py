@@ -10,6 +10,8 @@ from __future__ import annotations
 import statistics
 import time
 import timeit
+from collections import defaultdict
+from itertools import pairwise
 from time import perf_counter as clock
 
 import numpy as np
@@ -378,19 +380,20 @@ def test_run_epoch_names_the_mistake(run_epoch, words, capsys):
 # --- Exercise 2.3 ---------------------------------------------------------------
 
 
-def events_median(stages, new_event, sync, rounds=5):
-    times = {name: [] for name, _ in stages}
-    for r in range(rounds + 1):
-        marks = [new_event() for _ in range(len(stages) + 1)]
+def events_median(stages, new_event, sync, rounds=5):  # pairwise, a defaultdict
+    times = defaultdict(list)
+    for r in range(-1, rounds):  # round -1 warms up
+        marks = [new_event()]
         marks[0].record()
-        for (_, fn), end in zip(stages, marks[1:], strict=True):
+        for _, fn in stages:
             fn()
-            end.record()
+            marks.append(new_event())
+            marks[-1].record()
         sync()
-        if r:
-            for (name, _), a, b in zip(stages, marks, marks[1:], strict=False):
+        if r >= 0:
+            for (name, _), (a, b) in zip(stages, pairwise(marks), strict=True):
                 times[name].append(a.elapsed_time(b) / 1000)
-    return {n: statistics.median(t) for n, t in times.items()}
+    return {n: statistics.median(times[n]) for n, _ in stages}
 
 
 def events_end_synchronize(stages, new_event, sync, rounds=5):
