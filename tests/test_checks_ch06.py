@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import save as write_checkpoint
 from torch.distributed import all_reduce as reduce_all
-from torch.utils.data import DataLoader, DistributedSampler
 
 from course_utils.checks import ch06
 from course_utils.checks.ch06 import (
     check_average_gradients,
-    check_epoch_batches,
+    check_ring_all_reduce,
     check_save_then_load,
 )
 from course_utils.exercises import ExerciseFailed
@@ -71,6 +70,39 @@ class GradientAverager:  # a class instead of a function; a new tensor per .grad
             everyone = [torch.empty_like(p.grad) for _ in range(n)]
             dist.all_gather(everyone, p.grad)
             p.grad = torch.stack(everyone).mean(0)
+
+
+def grads_bucketed_by_dtype(model):  # one flat buffer per dtype, as DDP's buckets
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat)
+        for g, avg in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            g.copy_(avg / dist.get_world_size())
+
+
+def grads_float32_buffer(model):  # one float32 buffer: float64 gradients rounded
+    params = [p for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([p.grad.flatten().float() for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+_calls = []
+
+
+def grads_first_call_only(model):  # state kept across calls: averages once
+    if _calls:
+        return
+    _calls.append(1)
+    grads_sum_then_divide(model)
 
 
 def grads_not_divided(model):
@@ -142,7 +174,7 @@ def grads_other_group(model):  # a group of rank 0 alone: nobody else's gradient
 
 
 @pytest.mark.parametrize("fn", [grads_sum_then_divide, grads_flat, grads_avg_op,
-                                GradientAverager()])
+                                GradientAverager(), grads_bucketed_by_dtype])
 def test_average_gradients_accepts(fn):
     check_average_gradients(fn)
 
@@ -158,6 +190,8 @@ def test_average_gradients_accepts(fn):
     (params_averaged, ["unchanged"]),
     (grads_frozen_filled, ["frozen", "None"]),
     (grads_other_group, ["other values"]),
+    (grads_float32_buffer, ["float64", "own dtype"]),
+    (grads_first_call_only, ["call 2", "unchanged"]),
     (placeholder, ["placeholder"]),
 ])
 def test_average_gradients_rejects(fn, words):
@@ -174,167 +208,257 @@ def test_average_gradients_unmatched_collective(short_timeout):
 # ------------------------------------------------------------------ 6.2
 
 
-def batches_good(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                 shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append([b[0].tolist() for b in loader])
+def ring_parity(tensor):  # blocking send/recv, ordered by rank parity
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = tensor.view(-1).tensor_split(n)
+    for step in range(2 * n - 2):
+        out, into = parts[(r - step) % n], parts[(r - step - 1) % n]
+        box = torch.empty_like(into)
+        if r % 2 == 0:
+            dist.send(out.contiguous(), (r + 1) % n)
+            dist.recv(box, (r - 1) % n)
+        else:
+            dist.recv(box, (r - 1) % n)
+            dist.send(out.contiguous(), (r + 1) % n)
+        if step < n - 1:
+            into.add_(box)
+        else:
+            into.copy_(box)
+
+
+def ring_leftwards(tensor):  # the ring the other way round, batch_isend_irecv
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = list(torch.flatten(tensor).tensor_split(n))
+    for step in range(2 * (n - 1)):
+        out, into = parts[(r + step) % n], parts[(r + step + 1) % n]
+        box = torch.zeros_like(into)
+        ops = [dist.P2POp(dist.irecv, box, (r + 1) % n),
+               dist.P2POp(dist.isend, out, (r - 1) % n)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        into.copy_(into + box if step < n - 1 else box)
+
+
+class RingAllReduce:  # a class; works on a flat copy, copied back at the end
+    def __call__(self, tensor):
+        from torch.distributed import irecv as post_receive
+        from torch.distributed import isend as post_send
+
+        n, r = dist.get_world_size(), dist.get_rank()
+        flat = tensor.reshape(-1).clone()
+        sizes = [flat.numel() // n + (i < flat.numel() % n) for i in range(n)]
+        parts = list(torch.split(flat, sizes))
+        for phase in ("reduce", "gather"):
+            for s in range(n - 1):
+                send_i = (r - s + (1 if phase == "gather" else 0)) % n
+                recv_i = (send_i - 1) % n
+                box = torch.empty_like(parts[recv_i])
+                got = post_receive(box, src=(r - 1) % n)
+                sent = post_send(parts[send_i].clone(), dst=(r + 1) % n)
+                got.wait()
+                sent.wait()
+                parts[recv_i] = parts[recv_i] + box if phase == "reduce" else box
+        tensor.copy_(torch.cat(parts).view_as(tensor))
+
+
+def ring_with_barriers(tensor):  # extra harmless work: barriers, a returned value
+    dist.barrier()
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    for step in range(n - 1):  # reduce-scatter
+        box = torch.empty_like(chunks[(r - step - 1) % n])
+        sent = dist.isend(chunks[(r - step) % n], (r + 1) % n)
+        dist.recv(box, (r - 1) % n)
+        sent.wait()
+        chunks[(r - step - 1) % n].add_(box)
+    for step in range(n - 1):  # all-gather, starting with the finished chunk
+        box = torch.empty_like(chunks[(r - step) % n])
+        sent = dist.isend(chunks[(r - step + 1) % n], (r + 1) % n)
+        dist.recv(box, (r - 1) % n)
+        sent.wait()
+        chunks[(r - step) % n].copy_(box)
+    dist.barrier()
+    return tensor
+
+
+def ring_recursive_index(tensor):  # chunk bookkeeping by a dict of owners
+    n, r = dist.get_world_size(), dist.get_rank()
+    views = dict(enumerate(tensor.view(-1).tensor_split(n)))
+    send_i = r
+    for step in range(2 * (n - 1)):
+        recv_i = (send_i - 1) % n
+        box = torch.empty_like(views[recv_i])
+        reqs = [dist.irecv(box, (r + n - 1) % n),
+                dist.isend(views[send_i], (r + 1) % n)]
+        for q in reqs:
+            q.wait()
+        if step < n - 1:
+            views[recv_i] += box
+        else:
+            views[recv_i][:] = box
+        send_i = recv_i
+
+
+def ring_uses_all_reduce(tensor):
+    dist.all_reduce(tensor)
+
+
+def ring_naive_exchange(tensor):  # everyone sends everything to everyone
+    n, r = dist.get_world_size(), dist.get_rank()
+    boxes = [torch.empty_like(tensor) for _ in range(n)]
+    works = [dist.isend(tensor.clone(), q) for q in range(n) if q != r]
+    works += [dist.irecv(boxes[q], q) for q in range(n) if q != r]
+    for w in works:
+        w.wait()
+    for q in range(n):
+        if q != r:
+            tensor += boxes[q]
+
+
+def ring_reduce_scatter_only(tensor):
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = tensor.view(-1).tensor_split(n)
+    for step in range(n - 1):
+        box = torch.empty_like(parts[(r - step - 1) % n])
+        req = dist.irecv(box, (r - 1) % n)
+        dist.isend(parts[(r - step) % n], (r + 1) % n).wait()
+        req.wait()
+        parts[(r - step - 1) % n].add_(box)
+
+
+def ring_mean(tensor):
+    ring_parity(tensor)
+    tensor /= dist.get_world_size()
+
+
+def ring_out_of_place(tensor):  # returns the sum, leaves the argument alone
+    out = tensor.clone()
+    ring_parity(out)
     return out
 
 
-def batches_new_sampler_per_epoch(dataset, rank, world_size, epochs, batch_size):
-    out = []
-    for epoch in range(epochs):  # a fresh sampler seeded by the epoch: also right
-        sampler = DistributedSampler(dataset, world_size, rank, seed=1000 + epoch)
-        out.append([b for (b,) in DataLoader(dataset, batch_size, sampler=sampler)])
-    return out
+def ring_chunk(tensor):  # tensor.chunk(n) may give fewer than n pieces
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = tensor.view(-1).chunk(n)
+    for step in range(2 * (n - 1)):
+        into = parts[(r - step - 1) % n]
+        box = torch.empty_like(into)
+        req = dist.irecv(box, (r - 1) % n)
+        dist.isend(parts[(r - step) % n], (r + 1) % n).wait()
+        req.wait()
+        if step < n - 1:
+            into += box
+        else:
+            into.copy_(box)
 
 
-def batches_by_hand(dataset, rank, world_size, epochs, batch_size):
-    n = len(dataset)
-    per = -(-n // world_size)
-    out = []
-    for epoch in range(epochs):
-        g = torch.Generator().manual_seed(7 + epoch)
-        order = torch.randperm(n, generator=g).tolist()
-        order += order[:per * world_size - n]  # pad as the sampler does
-        mine = order[rank::world_size]
-        out.append([mine[i:i + batch_size] for i in range(0, per, batch_size)])
-    return out
+def ring_rows(tensor):  # assumes the size divides by the world size
+    n = dist.get_world_size()
+    rows = tensor.view(n, -1)
+    ring_parity(rows)
 
 
-class EpochBatches:  # a class; batches from the sampler without a DataLoader
-    def __call__(self, dataset, rank, world_size, epochs, batch_size):
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-        result = []
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            idx = list(sampler)
-            result.append([idx[i:i + batch_size] for i in range(0, len(idx),
-                                                                batch_size)])
-        return result
+def ring_float32(tensor):  # adds in float32 whatever the dtype
+    work = tensor.to(torch.float32)
+    ring_parity(work)
+    tensor.copy_(work)
 
 
-def batches_no_set_epoch(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    return [[b[0].tolist() for b in loader] for _ in range(epochs)]
+def ring_float64(tensor):  # sends float64 chunks: twice a float32 tensor's bytes
+    work = tensor.to(torch.float64)
+    ring_parity(work)
+    tensor.copy_(work)
 
 
-def batches_set_epoch_too_late(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    out = []
-    for epoch in range(epochs):
-        out.append([b[0].tolist() for b in loader])
-        sampler.set_epoch(epoch)  # after the epoch: epochs 0 and 1 share an order
-    return out
+def ring_gather_adds(tensor):  # the all-gather phase adds instead of copying
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = tensor.view(-1).tensor_split(n)
+    for step in range(2 * (n - 1)):
+        into = parts[(r - step - 1) % n]
+        box = torch.empty_like(into)
+        req = dist.irecv(box, (r - 1) % n)
+        dist.isend(parts[(r - step) % n], (r + 1) % n).wait()
+        req.wait()
+        into += box
 
 
-def batches_same_epoch_number(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    out = []
-    for _ in range(epochs):
-        sampler.set_epoch(1)  # the same number every epoch: the same shuffle
-        out.append([b[0].tolist() for b in loader])
-    return out
+def ring_via_rank_0(tensor):  # a star of sends and receives through rank 0
+    n, r = dist.get_world_size(), dist.get_rank()
+    if r == 0:
+        for q in range(1, n):
+            box = torch.empty_like(tensor)
+            dist.recv(box, q)
+            tensor += box
+        for q in range(1, n):
+            dist.send(tensor, q)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
 
 
-def batches_no_sampler(dataset, rank, world_size, epochs, batch_size):
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
-    return [[b[0].tolist() for b in loader] for _ in range(epochs)]
+_cached_parts = {}
 
 
-def batches_rank_always_0(dataset, rank, world_size, epochs, batch_size):
-    return batches_good(dataset, 0, world_size, epochs, batch_size)
+def ring_cached_views(tensor):  # views kept from the first call: state reused
+    n = dist.get_world_size()
+    if "parts" not in _cached_parts:
+        _cached_parts["parts"] = tensor.view(-1).tensor_split(n)
+    parts = _cached_parts["parts"]
+    r = dist.get_rank()
+    for step in range(2 * (n - 1)):
+        into = parts[(r - step - 1) % n]
+        box = torch.empty_like(into)
+        req = dist.irecv(box, (r - 1) % n)
+        dist.isend(parts[(r - step) % n], (r + 1) % n).wait()
+        req.wait()
+        if step < n - 1:
+            into += box
+        else:
+            into.copy_(box)
 
 
-def batches_no_shuffle(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                 shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append([b[0].tolist() for b in loader])
-    return out
+def ring_two_ranks_only(tensor):  # a hard-coded world size of 2
+    r = dist.get_rank()
+    parts = tensor.view(-1).tensor_split(2)
+    for step in range(2):
+        box = torch.empty_like(parts[(r - step - 1) % 2])
+        sent = dist.isend(parts[(r - step) % 2], (r + 1) % 2)
+        dist.recv(box, (r - 1) % 2)
+        sent.wait()
+        if step == 0:
+            parts[(r - 1) % 2].add_(box)
+        else:
+            parts[r % 2].copy_(box)
 
 
-def batches_seed_per_rank(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                 seed=rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append([b[0].tolist() for b in loader])
-    return out
-
-
-def batches_drop_last(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                        drop_last=True)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append([b[0].tolist() for b in loader])
-    return out
-
-
-def batches_fixed_share_reshuffled(dataset, rank, world_size, epochs, batch_size):
-    share = list(DistributedSampler(dataset, world_size, rank, shuffle=False))
-    out = []
-    for epoch in range(epochs):  # only the order within the share changes
-        g = torch.Generator().manual_seed(epoch)
-        mine = [share[i] for i in torch.randperm(len(share), generator=g).tolist()]
-        out.append([mine[i:i + batch_size] for i in range(0, len(mine), batch_size)])
-    return out
-
-
-def batches_one_at_a_time(dataset, rank, world_size, epochs, batch_size):
-    return batches_good(dataset, rank, world_size, epochs, 1)
-
-
-def batches_unseeded(dataset, rank, world_size, epochs, batch_size):
-    sampler = DistributedSampler(dataset, world_size, rank,
-                                 seed=int(torch.randint(0, 10**6, ())))
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        out.append([b[0].tolist() for b in DataLoader(dataset, batch_size,
-                                                      sampler=sampler)])
-    return out
-
-
-@pytest.mark.parametrize("fn", [batches_good, batches_new_sampler_per_epoch,
-                                batches_by_hand, EpochBatches()])
-def test_epoch_batches_accepts(fn):
-    check_epoch_batches(fn)
+@pytest.mark.parametrize("fn", [ring_parity, ring_leftwards, RingAllReduce(),
+                                ring_with_barriers, ring_recursive_index])
+def test_ring_all_reduce_accepts(fn):
+    check_ring_all_reduce(fn)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (batches_no_set_epoch, ["same order", "set_epoch"]),
-    (batches_set_epoch_too_late, ["epochs 0 and 1 in the same order",
-                                  "before iterating"]),
-    (batches_same_epoch_number, ["same order", "set_epoch(epoch)"]),
-    (batches_no_sampler, ["whole data set", "DistributedSampler"]),
-    (batches_rank_always_0, ["cover all"]),
-    (batches_no_shuffle, ["same order"]),
-    (batches_seed_per_rank, ["cover all", "same seed"]),
-    (batches_drop_last, ["drop_last"]),
-    (batches_fixed_share_reshuffled, ["same samples every epoch"]),
-    (batches_one_at_a_time, ["batch sizes", "batch_size"]),
-    (batches_unseeded, ["cover all", "same seed"]),
+    (ring_uses_all_reduce, ["send/recv", "allreduce"]),
+    (ring_naive_exchange, ["message(s)", "neighbour"]),
+    (ring_reduce_scatter_only, ["only chunk(s)", "all-gather"]),
+    (ring_mean, ["do not divide"]),
+    (ring_out_of_place, ["returned", "unchanged", "in place"]),
+    (ring_chunk, ["fewer than n pieces", "tensor_split"]),
+    (ring_rows, ["do not divide", "tensor_split"]),
+    (ring_float32, ["rounded", "own dtype"]),
+    (ring_float64, ["bytes", "own dtype"]),
+    (ring_gather_adds, ["only chunk(s)", "all-gather"]),
+    (ring_via_rank_0, ["message(s)", "neighbour"]),
+    (ring_cached_views, ["earlier call", "keep no views"]),
     (placeholder, ["placeholder"]),
 ])
-def test_epoch_batches_rejects(fn, words):
-    fails(check_epoch_batches, fn, *words)
+def test_ring_all_reduce_rejects(fn, words):
+    fails(check_ring_all_reduce, fn, *words)
+
+
+def test_ring_all_reduce_hard_coded_world_size(short_timeout):
+    fails(check_ring_all_reduce, ring_two_ranks_only, "never came",
+          "dist.get_world_size()")
 
 
 # ------------------------------------------------------------------ 6.3

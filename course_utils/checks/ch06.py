@@ -18,17 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils.data import TensorDataset
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import fail, passed, require_solution
 
 TIMEOUT_S = 30  # a rank that waits longer waits for a collective nobody else calls
 LATE_S = 0.4  # at most how late one rank arrives in 6.3
 
 
 def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
-         known: dict[str, tuple[str, str, str]]):
+         known: dict[str, tuple[str, str, str]], stuck_hint: str = ""):
     """Launch ``rank_fn`` on ``world_size`` ranks; a failure becomes a message.
 
     ``known`` maps a text in the failing rank's error to (expected, seen, hint).
@@ -44,7 +43,7 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
         unmatched = ("every rank to call the same collectives",
                      "a rank waited in a collective that another rank never called",
                      "every rank must call the same collectives, in the same order")
-        known = {**known, "closed by peer": unmatched, "reset by peer": unmatched}
+        known = {"closed by peer": unmatched, "reset by peer": unmatched, **known}
         for key, (expected, seen, hint) in known.items():
             if key in first:
                 fail(exercise, expected, f"{seen} ({first[:160]})", hint)
@@ -52,38 +51,68 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
              "read the rank's traceback above")
     except LaunchTimeout as e:
         fail(exercise, "every rank to finish", str(e).splitlines()[0],
-             "every rank must call the same collectives, in the same order")
+             stuck_hint or "every rank must call the same collectives, in the "
+             "same order")
 
 
 # ---------------------------------------------------------------- exercise 6.1
 
+class _Mixed(torch.nn.Module):
+    """Parameters of odd shapes, a float64 layer, and a frozen bias (its .grad
+    stays None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(3, 5)
+        self.b = torch.nn.Linear(5, 2, dtype=torch.float64)
+        self.c = torch.nn.Linear(2, 3)
+        self.b.bias.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x)).double()))
+        return self.c(h.float())
+
+
 def _model() -> torch.nn.Module:
-    """Parameters of odd shapes, and one frozen (its .grad stays None)."""
     torch.manual_seed(0)  # the same model on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(),
-                                torch.nn.Linear(5, 2), torch.nn.Tanh(),
-                                torch.nn.Linear(2, 3))
-    model[2].bias.requires_grad_(False)
-    return model
+    return _Mixed()
 
 
 def _gradient_rank(rank: int, world_size: int, average_gradients: Callable):
+    """Two steps with the same model (the function is called twice), on data
+    of mixed magnitudes that differs between ranks and steps."""
     model = _model()
-    torch.manual_seed(100 + rank)  # different data on every rank
-    x, y = torch.randn(7, 3), torch.randn(7, 3) * (rank + 1)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    local = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    average_gradients(model)
-    after = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    return local, after
+    rounds = []
+    for step in range(2):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(7, 3) * 10.0 ** (step - rank)
+        y = torch.randn(7, 3) * (rank + 1)
+        model.zero_grad(set_to_none=False)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        local = [None if p.grad is None else p.grad.clone()
+                 for p in model.parameters()]
+        average_gradients(model)
+        after = [None if p.grad is None else p.grad.clone()
+                 for p in model.parameters()]
+        rounds.append((local, after))
+    return rounds
 
 
-def _same(a, b) -> bool:
-    return a is not None and b is not None and a.shape == b.shape and torch.allclose(
-        a, b, rtol=1e-5, atol=1e-7)
+def _same(a, b, rtol: float | None = None) -> bool:
+    """Equal to rounding: float32's or, for float64, float64's."""
+    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if rtol is None:
+        rtol = 1e-5 if a.dtype == torch.float32 else 1e-12
+    return torch.allclose(a, b, rtol=rtol, atol=rtol * 1e-2 * float(b.abs().max()))
 
 
 def _judge_gradients(ex: str, ranks: list, world_size: int) -> None:
+    for step in range(len(ranks[0])):
+        _judge_step(ex, [r[step] for r in ranks], world_size, step)
+
+
+def _judge_step(ex: str, ranks: list, world_size: int, step: int) -> None:
     names = [n for n, _ in _model().named_parameters()]
     locals_ = [r[0] for r in ranks]
     total = [None if g is None else sum(loc[i] for loc in locals_)
@@ -100,7 +129,8 @@ def _judge_gradients(ex: str, ranks: list, world_size: int) -> None:
             mean = tot / world_size
             if _same(got, mean):
                 continue
-            where = f"parameter {name} {tuple(mean.shape)} on rank {rank}"
+            where = (f"parameter {name} {tuple(mean.shape)} {mean.dtype} on rank "
+                     f"{rank}, call {step + 1}")
             if got is None:
                 fail(ex, f"{where}: the mean gradient", ".grad set to None")
             if _same(got, tot):
@@ -112,6 +142,12 @@ def _judge_gradients(ex: str, ranks: list, world_size: int) -> None:
                     fail(ex, f"{where}: the sum divided by the world size, "
                          f"{world_size}", f"the sum divided by {k}",
                          "divide by dist.get_world_size(), not a fixed number")
+            if got.dtype != mean.dtype or (mean.dtype == torch.float64 and _same(
+                    got.to(mean.dtype), mean, rtol=1e-5)):
+                fail(ex, f"{where}: the mean, in the gradient's own dtype",
+                     f"a {got.dtype} result rounded to float32's precision",
+                     "keep each gradient's dtype: average p.grad in place, without "
+                     ".float() or a float32 buffer")
             if _same(got, mine):
                 fail(ex, f"{where}: the mean over the ranks",
                      "this rank's own gradient, unchanged",
@@ -142,116 +178,231 @@ def check_average_gradients(average_gradients: Callable) -> None:
 
 # ---------------------------------------------------------------- exercise 6.2
 
-def _as_batches(ex: str, value, epochs: int, rank: int) -> list[list[list[int]]]:
-    """The learner's result as epochs -> batches -> sample numbers."""
-    if not isinstance(value, (list, tuple)) or len(value) != epochs:
-        fail(ex, f"a list with one entry per epoch ({epochs})",
-             f"{type(value).__name__}: {value!r:.80} (rank {rank})")
-    out = []
-    for epoch in value:
-        batches = []
-        for b in epoch:
-            if isinstance(b, (list, tuple)) and len(b) == 1 and isinstance(
-                    b[0], torch.Tensor):
-                b = b[0]  # a TensorDataset batch, (samples,)
-            if isinstance(b, torch.Tensor):
-                b = b.flatten().tolist()
-            try:
-                batches.append([int(s) for s in b])
-            except (TypeError, ValueError):
-                fail(ex, "each batch as the list of its sample numbers",
-                     f"{type(b).__name__}: {b!r:.60}")
-        out.append(batches)
-    return out
+# the ProcessGroup methods behind every collective but barrier: a ring built
+# from point-to-point messages calls none of them
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "reduce", "broadcast",
+                "allgather", "_allgather_base", "allgather_coalesced",
+                "allgather_into_tensor_coalesced", "reduce_scatter",
+                "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                "gather", "scatter", "alltoall", "alltoall_base")
 
 
-# (data set size, world size, epochs, batch size): odd sizes, and one that
-# does not divide by the world size (DistributedSampler pads by repeating)
-_SAMPLER_CASES = [(23, 2, 3, 4), (31, 3, 3, 5)]
+def _ring_cases(n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes: sizes that do not divide by n (one of n + 1, where
+    ``tensor.chunk(n)`` returns fewer than n pieces), a 2-D tensor, float64,
+    and int64 beyond float64's 53 bits."""
+    return [((3 * n + 1,), torch.float32), ((5, 3), torch.float64),
+            ((n + 1,), torch.int64), ((2 * n - 1,), torch.float32)]
 
 
-def _judge_epochs(ex: str, seen: list, n: int, world: int, batch_size: int) -> None:
-    per_rank = math.ceil(n / world)
-    epochs = len(seen[0])
-    setting = f"{n} samples, {world} ranks, batch size {batch_size}"
-    for rank in range(world):
-        for e, batches in enumerate(seen[rank]):
-            sizes = [len(b) for b in batches]
-            if any(s != batch_size for s in sizes[:-1]) or (
-                    sizes and sizes[-1] > batch_size):
-                fail(ex, f"batches of {batch_size} samples (the last may be "
-                     f"smaller) ({setting})",
-                     f"batch sizes {sizes} on rank {rank} in epoch {e}",
-                     "pass batch_size to the DataLoader, and keep drop_last=False")
-            count = sum(sizes)
-            if count == n and world > 1:
-                fail(ex, f"each rank to train on its share: {per_rank} of the {n} "
-                     f"samples ({setting})",
-                     f"all {n} samples on rank {rank}: every rank trains on the "
-                     "whole data set", "give the DataLoader a DistributedSampler "
-                     "with num_replicas=world_size and rank=rank")
-            if count != per_rank:
-                fail(ex, f"{per_rank} samples per rank and epoch ({setting}: the "
-                     "sampler pads so that every rank gets as many)",
-                     f"{count} on rank {rank} in epoch {e}",
-                     "keep the sampler's defaults (drop_last=False)")
-    for e in range(epochs):
-        shares = [[s for b in seen[r][e] for s in b] for r in range(world)]
-        every = [s for share in shares for s in share]
-        if set(every) != set(range(n)):
-            fail(ex, f"the ranks together to cover all {n} samples in every epoch "
-                 f"({setting})", f"{len(set(every))} different samples in epoch {e}",
-                 "every rank must use the same seed, its own rank, and "
-                 "num_replicas=world_size")
-        repeats = len(every) - n  # the sampler's padding
-        overlap = [(a, b) for a in range(world) for b in range(a + 1, world)
-                   if len(set(shares[a]) & set(shares[b])) > repeats]
-        if overlap:
-            a, b = overlap[0]
-            fail(ex, f"disjoint shares, apart from {repeats} padding samples "
-                 f"({setting})", f"ranks {a} and {b} share "
-                 f"{len(set(shares[a]) & set(shares[b]))} samples in epoch {e}",
-                 "each rank passes its own rank to the sampler, and all the same "
-                 "seed")
-    orders = [[[s for b in seen[r][e] for s in b] for e in range(epochs)]
-              for r in range(world)]
-    for e in range(1, epochs):
-        if all(orders[r][e] == orders[r][e - 1] for r in range(world)):
-            fail(ex, f"a new shuffle every epoch ({setting})",
-                 f"epochs {e - 1} and {e} in the same order on every rank",
-                 "call sampler.set_epoch(epoch) at the start of each epoch, before "
-                 "iterating the DataLoader")
-    for r in range(world):
-        shares_r = [sorted(o) for o in orders[r]]
-        if all(s == shares_r[0] for s in shares_r):
-            fail(ex, f"each rank's share to change between epochs ({setting})",
-                 f"rank {r} trains on the same samples every epoch, only "
-                 "reordered", "shuffle the whole data set with DistributedSampler("
-                 "shuffle=True) and set_epoch, not each rank's fixed share")
-        if all(o == sorted(o) for o in orders[r]):
-            fail(ex, f"a shuffled order ({setting})",
-                 f"rank {r}'s samples in increasing order in every epoch",
-                 "create the DistributedSampler with shuffle=True")
+def _ring_input(rank: int, case: int, shape, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    if dtype.is_floating_point:  # mixed magnitudes, both signs
+        scale = 10.0 ** torch.randint(-3, 7, shape, generator=g)
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+    return torch.randint(-2**60, 2**60, shape, generator=g, dtype=dtype)
 
 
-def check_epoch_batches(epoch_batches: Callable) -> None:
-    """Exercise 6.2: disjoint shares, shuffled, a new order each epoch."""
+def _ring_rank(rank: int, world_size: int, ring_all_reduce: Callable):
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup
+
+    cases = _ring_cases(world_size)
+    inputs = [_ring_input(rank, i, *c) for i, c in enumerate(cases)]
+    reference = [t.clone() for t in inputs]
+    for t in reference:
+        dist.all_reduce(t)  # what the ring must equal
+    sent: list[list[tuple[int, int]]] = []
+    called: list[str] = []
+    saved = {name: getattr(ProcessGroup, name) for name in ("send", *_COLLECTIVES)
+             if hasattr(ProcessGroup, name)}
+
+    def send(self, tensors, dst, *rest):
+        sent[-1].append((dst, sum(t.numel() * t.element_size() for t in tensors)))
+        return saved["send"](self, tensors, dst, *rest)
+
+    def refuse(name):
+        def collective(self, *args, **kwargs):
+            called.append(name)
+            return saved[name](self, *args, **kwargs)
+        return collective
+
+    results = []
+    try:
+        ProcessGroup.send = send
+        for name in _COLLECTIVES:
+            if name in saved:
+                setattr(ProcessGroup, name, refuse(name))
+        given = []
+        for t in inputs:
+            sent.append([])
+            mine = t.clone()
+            out = ring_all_reduce(mine)
+            given.append(mine)
+            results.append((mine.clone(), out.detach().clone()
+                            if isinstance(out, torch.Tensor) else None))
+    finally:
+        for name, method in saved.items():
+            setattr(ProcessGroup, name, method)
+    # a call that wrote into an earlier call's tensor kept state between calls
+    later = [i for i, (g, (r, _)) in enumerate(zip(given, results, strict=True))
+             if not torch.equal(g, r)]
+    return inputs, reference, results, sent, called + [f"later:{i}" for i in later]
+
+
+def _judge_ring(ex: str, ranks: list, n: int) -> None:
+    cases = _ring_cases(n)
+    for rank, (_, _, _, _, called) in enumerate(ranks):
+        later = [c for c in called if c.startswith("later:")]
+        if later:
+            fail(ex, "each call to work on the tensor it is given",
+                 f"a later call on rank {rank} wrote into the tensor of an earlier "
+                 f"call (call {int(later[0][6:]) + 1})",
+                 "split the tensor you are given on every call; keep no views or "
+                 "buffers from an earlier call")
+        if called:
+            fail(ex, "a ring built from send/recv (isend/irecv) messages only",
+                 f"dist collective `{called[0]}` called on rank {rank}",
+                 "send each chunk to the next rank and receive from the previous "
+                 "one; no all_reduce, all_gather or reduce_scatter")
+    for i, (shape, dtype) in enumerate(cases):
+        wide = torch.float64 if dtype.is_floating_point else torch.int64
+        exact = sum(r[0][i].to(wide) for r in ranks)
+        sum_abs = sum(r[0][i].to(wide).abs() for r in ranks)
+        size = math.prod(shape)
+        setting = f"{n} ranks, a {dtype} tensor of shape {shape}"
+        got = [r[2][i][0] for r in ranks]
+        for rank, (inputs, reference, results, _, _) in enumerate(ranks):
+            mine, out = results[i]
+            if torch.equal(mine, inputs[i]):
+                if out is not None and out.shape == mine.shape and bool(
+                        _matches(out, exact, sum_abs, n).all()):
+                    fail(ex, f"the sum written into the tensor given ({setting})",
+                         f"the sum returned, the tensor on rank {rank} unchanged",
+                         "work in place as dist.all_reduce does: tensor.copy_(...) "
+                         "or write each received chunk into a view of it")
+                fail(ex, f"the sum over the ranks in the tensor given ({setting})",
+                     f"rank {rank}'s tensor unchanged",
+                     "receive into views of the tensor (tensor.view(-1)"
+                     ".tensor_split(n)) so the chunks you add to are the tensor")
+            _judge_values(ex, mine, exact, sum_abs, reference[i], rank, n, setting)
+        if dtype.is_floating_point and any(not torch.equal(g, got[0]) for g in got):
+            fail(ex, f"every rank to end with the very same bits ({setting})",
+                 "values that differ in their last digits between ranks",
+                 "each chunk's sum is computed once, by one rank; the second phase "
+                 "only passes the finished chunks round, without adding again")
+        _judge_messages(ex, [r[3][i] for r in ranks], n, size,
+                        ranks[0][0][i].element_size(), setting)
+
+
+def _matches(got: torch.Tensor, exact: torch.Tensor, sum_abs: torch.Tensor,
+             n: int) -> torch.Tensor:
+    """Elementwise: ``got`` is the exact sum, to the rounding of n additions in
+    its dtype (integers: exactly)."""
+    if not got.dtype.is_floating_point:
+        return got.to(torch.int64) == exact
+    tol = 4 * n * torch.finfo(got.dtype).eps * sum_abs
+    return (got.to(torch.float64) - exact).abs() <= tol
+
+
+def _judge_values(ex, mine, exact, sum_abs, reference, rank, n, setting) -> None:
+    dtype = reference.dtype
+    where = f"rank {rank} ({setting})"
+    if mine.dtype != dtype or mine.shape != reference.shape:
+        fail(ex, f"a {dtype} tensor of shape {tuple(reference.shape)} ({setting})",
+             f"{mine.dtype}, {tuple(mine.shape)} on rank {rank}")
+    good = _matches(mine, exact, sum_abs, n)
+    if bool(good.all()):
+        return
+    if dtype == torch.float64 and bool(_matches(mine.float(), exact, sum_abs, n).all()):
+        fail(ex, f"the float64 sum on {where}", "a sum rounded to float32's precision",
+             "keep the tensor's own dtype: add in place, never via .float()")
+    if dtype.is_floating_point and bool(_matches(mine * n, exact, sum_abs, n).all()):
+        fail(ex, f"the sum over the ranks on {where}", "the mean (sum / world size)",
+             "dist.all_reduce's default is a sum: do not divide")
+    if not dtype.is_floating_point and torch.equal(mine, exact.double().to(dtype)):
+        fail(ex, f"the exact integer sum on {where}",
+             "the sum rounded through floating point",
+             "keep the tensor's own dtype: add in place, never via .float() or "
+             ".double()")
+    pieces = good.reshape(-1).tensor_split(n)
+    right = [k for k, piece in enumerate(pieces) if bool(piece.all())]
+    if right and len(right) < n:
+        fail(ex, f"every chunk to hold the sum on {where}",
+             f"only chunk(s) {right} of {n} hold it",
+             "after the n - 1 reduce-scatter steps each rank owns one finished "
+             "chunk; n - 1 more all-gather steps must pass the finished chunks round")
+    fail(ex, f"the sum over the ranks on {where}",
+         "other values (chunks added to the wrong chunks, or rounded through "
+         "another dtype)",
+         "at step s rank r sends chunk (r - s) mod n to rank r + 1 and adds what it "
+         "receives from rank r - 1 to chunk (r - s - 1) mod n, in the tensor's "
+         "own dtype")
+
+
+def _judge_messages(ex, sent, n, size, itemsize, setting) -> None:
+    steps = 2 * (n - 1)
+    lo, hi = steps * (size // n) * itemsize, steps * -(-size // n) * itemsize
+    nxt = {}
+    for rank, messages in enumerate(sent):
+        peers = sorted({dst for dst, _ in messages})
+        total = sum(b for _, b in messages)
+        if len(messages) != 2 * (n - 1) or len(peers) != 1:
+            fail(ex, f"2(n - 1) = {2 * (n - 1)} messages per rank, all to one "
+                 f"neighbour ({setting})",
+                 f"rank {rank} sent {len(messages)} message(s) to rank(s) {peers}",
+                 "a ring: n - 1 steps of reduce-scatter, then n - 1 of all-gather, "
+                 "each step one chunk to the next rank")
+        if not lo <= total <= hi:
+            fail(ex, f"each rank to send 2(n - 1)/n of the tensor: {lo}..{hi} bytes "
+                 f"({setting})", f"{total} bytes from rank {rank}",
+                 "send one chunk (1/n of the tensor, in its own dtype) per step, "
+                 "not the whole tensor")
+        nxt[rank] = peers[0]
+    seen, r = set(), 0
+    while r not in seen:
+        seen.add(r)
+        r = nxt[r]
+    if len(seen) != n:
+        fail(ex, f"the ranks to form one ring: each sends to its neighbour ({setting})",
+             f"rank r sends to {nxt}", "send to (rank + 1) % n, receive from "
+             "(rank - 1) % n")
+
+
+def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
+    """Exercise 6.2: an all-reduce (sum, in place) from send/recv, as a ring."""
     ex = "6.2"
-    require_solution(ex, epoch_batches)
-    for n, world, epochs, batch_size in _SAMPLER_CASES:
-        data = TensorDataset(torch.arange(n))
-        seen = [_as_batches(ex, call_learner(ex, epoch_batches, data, r, world, epochs,
-                                             batch_size), epochs, r)
-                for r in range(world)]
-        _judge_epochs(ex, seen, n, world, batch_size)
-        again = _as_batches(ex, call_learner(ex, epoch_batches, data, 1, world,
-                                             epochs, batch_size), epochs, 1)
-        if again != seen[1]:
-            fail(ex, "the same batches when run again (a reproducible shuffle)",
-                 "other batches on a second run of rank 1",
-                 "give the sampler a fixed seed, the same on every rank")
-    passed(ex, "On 2 and 3 ranks: disjoint shares that cover the data, and a new, "
-               "reproducible shuffle every epoch.")
+    require_solution(ex, ring_all_reduce)
+    known = {
+        "is invalid for input of size": (
+            "sizes that do not divide by the world size to work",
+            "a view of n equal rows", "split with tensor.view(-1).tensor_split(n): "
+            "its chunks may differ in size by one"),
+        "index out of range": (
+            "n chunks for any size", "fewer chunks than ranks",
+            "tensor.chunk(n) may return fewer than n pieces (5 elements, n = 4: "
+            "3 pieces); tensor_split(n) always returns n"),
+        "can't be cast to the desired output type": (
+            "the sum, in the tensor's own dtype", "a division of an integer tensor",
+            "dist.all_reduce's default is a sum: do not divide"),
+        "Tensors must be contiguous": (
+            "contiguous chunks to send", "a non-contiguous tensor sent",
+            "split the flat tensor (tensor.view(-1)), not a column"),
+    }
+    stuck = ("a rank waited for a message that never came: with n = "
+             "dist.get_world_size(), every rank sends to (rank + 1) % n and "
+             "receives from (rank - 1) % n, and posts each receive (dist.irecv) "
+             "before it waits on its send")
+    gone = ("every rank to receive each message it waits for",
+            "a rank waited for a message its peer never sent", stuck)
+    known.update({"closed by peer": gone, "reset by peer": gone})
+    for world_size in (2, 3, 4):
+        ranks = _run(ex, _ring_rank, world_size, (ring_all_reduce,), known,
+                     stuck_hint=stuck)
+        _judge_ring(ex, ranks, world_size)
+    passed(ex, "On 2, 3 and 4 ranks, for float32, float64 and int64 tensors of "
+               "sizes that do not divide: the sum of dist.all_reduce, with "
+               "2(n - 1) messages of one chunk per rank, round a ring.")
 
 
 # ---------------------------------------------------------------- exercise 6.3

@@ -1,0 +1,74 @@
+"""Chapter 6's plumbing: the command runner, the stderr silencer, the
+leftover-process listing and the bucket and throughput printouts."""
+
+import os
+import sys
+
+import matplotlib
+import pytest
+
+from course_utils import ddp_demos
+
+matplotlib.use("Agg")
+
+
+def test_run_command_prints_the_output(tmp_path, capsys):
+    ddp_demos.run_command([sys.executable, "-c", "print('hello from a child')"],
+                          tmp_path, limit_s=30)
+    out = capsys.readouterr().out
+    assert "hello from a child" in out and out.startswith("$ ")
+
+
+def test_run_command_tries_again_then_fails_with_the_log(tmp_path, capsys):
+    script = "import sys; print('attempt'); sys.exit('broken on purpose')"
+    with pytest.raises(RuntimeError) as e:
+        ddp_demos.run_command([sys.executable, "-c", script], tmp_path, limit_s=30,
+                              attempts=2)
+    assert "exit code 1" in str(e.value) and "broken on purpose" in str(e.value)
+    out = capsys.readouterr().out
+    assert out.count("attempt\n") == 2 and "trying once more" in out
+
+
+def test_quiet_stderr_hides_fd_2_and_restores_it(capfd):
+    with ddp_demos.quiet_stderr():
+        os.write(2, b"hidden\n")
+    os.write(2, b"shown\n")
+    err = capfd.readouterr().err
+    assert "hidden" not in err and "shown" in err
+
+
+def test_leftover_processes_lists_a_running_child():
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert any(str(child.pid) in line for line in ddp_demos.leftover_processes())
+    finally:
+        child.kill()
+        child.wait()
+    assert not any(str(child.pid) in line for line in ddp_demos.leftover_processes())
+
+
+def test_show_buckets_counts_buckets_and_early_all_reduces(capsys):
+    mib = 2**20
+    spans = [("backward (main thread)", 0.0, 1.0),
+             ("all_reduce (gloo threads)", 0.5, 0.7),   # during the backward
+             ("all_reduce (gloo threads)", 1.1, 1.5)]   # after it
+    buckets = [(0, 0, 8 * mib), (1, 0, mib), (1, 1, 7 * mib)]
+    ddp_demos.show_buckets({"defaults": (buckets, spans),
+                            "one bucket": ([(0, 0, 8 * mib)], spans[:1] + spans[2:])})
+    out = capsys.readouterr().out
+    assert "iteration 0: 1 bucket(s) of 8.00 MiB" in out
+    assert "iteration 1: 2 bucket(s) of 1.00, 7.00 MiB" in out
+    assert "2 all-reduce(s), 1 started before" in out
+    assert "1 all-reduce(s), 0 started before" in out
+
+
+def test_show_throughput_prints_ranges(capsys):
+    runs = {2: [[{"compute only (no_sync)": 0.010, "DDP step": 0.020},
+                 {"compute only (no_sync)": 0.012, "DDP step": 0.018}],
+                [{"compute only (no_sync)": 0.011, "DDP step": 0.030},
+                 {"compute only (no_sync)": 0.009, "DDP step": 0.025}]]}
+    ddp_demos.show_throughput(runs)
+    assert "2 rank(s): a step took 20.0-30.0 ms, of which compute alone " \
+           "11.0-12.0 ms" in capsys.readouterr().out
