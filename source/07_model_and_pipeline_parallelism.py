@@ -49,7 +49,11 @@ import torch.distributed as dist
 from torch import nn
 
 from course_utils import banner, plots, reference
-from course_utils.checks.ch07 import check_gpipe, check_one_f_one_b, check_split_stages
+from course_utils.checks.ch07 import (
+    check_one_f_one_b,
+    check_split_stages,
+    check_two_stage_step,
+)
 from course_utils.compare import compare
 from course_utils.dist import launch
 from course_utils.plots import plot_timeline
@@ -116,9 +120,10 @@ print("by hand: largest gradient difference from the whole model "
 # **Claim** (seed 000): the embedding goes on the CPU because it needs high
 # precision and little computation. **Measured here**: a lookup returns the
 # table's rows bit for bit, on any device. **Why**: a lookup copies rows and
-# does no arithmetic, so there is no precision to gain; the real reason to
-# keep a table on the CPU is memory - a large vocabulary's table may not fit
-# beside the model on the GPU, and a lookup is cheap wherever it runs.
+# does no arithmetic, so there is no precision to gain (the tutorial gives no
+# reason at all: it only shows the mechanics). The reason to keep a table on
+# the CPU is memory: a large vocabulary's table may not fit beside the model
+# on the GPU, and a lookup, little computation, is cheap wherever it runs.
 #
 # The seed's module passed its parts to `nn.Module.__init__`, which raises
 # `TypeError`; with `super().__init__()` first and the parts assigned after,
@@ -388,6 +393,15 @@ for k, p, m in (("n2m32", 2, 32), ("n8m4", 8, 4), ("n8m32", 8, 32)):
 # it held, and how many bytes of activations autograd kept for them (counted
 # with a saved-tensors hook, each storage once, parameters left out).
 #
+# **The order of sends and receives.** A blocking send waits until the other
+# rank receives (gloo's does, even for a few bytes), and nccl runs what a rank posts on its stream in order. In 1F1B, stage 0 sends
+# micro-batch 1's activation while stage 1 sends micro-batch 0's gradient:
+# two sends, each waiting for a receive the other rank has not posted yet -
+# a deadlock. So each rank posts the send of its last operation together
+# with the receive of its next one, in one `dist.batch_isend_irecv`, whose
+# sends and receives never wait for each other; the same code runs under
+# gloo and nccl.
+#
 # A timeline is only evidence if it is measured carefully:
 #
 # - each operation's span closes **before** its send, so the next stage's
@@ -447,19 +461,25 @@ def run_pipeline(rank, world_size, plans, groups, repeats, steps):
         m, plan = plans[name]
         stage.zero_grad()
         xs, ys = x.chunk(m), y.chunk(m)
-        saved, held, peak, most, sends, spans = {}, 0, 0, 0, [], []
+        saved, held, peak, most, spans = {}, 0, 0, 0, []
+        outbox, sends, posted = [], [], []  # outbox: the last op's send, not yet posted
         dist.barrier()
         cpu0 = time.process_time()
         for kind, i in plan[rank]:
+            peer = rank - 1 if kind == "F" else rank + 1  # where this op's input is
+            buf = None
+            if 0 <= peer < world_size:  # not stage 0's forward, not the loss's backward
+                buf = torch.empty(xs[i].shape[0], WIDTH, device=dev)
+                outbox.append(dist.P2POp(dist.irecv, buf, peer))
+            if outbox:  # the last send and this receive as one batch: neither waits
+                works = dist.batch_isend_irecv(outbox)  # for the other, on any backend
+                if buf is not None:
+                    works.pop().wait()  # the receive (under nccl: the whole batch)
+                sends, posted, outbox = sends + works, posted + outbox, []
+            sync(dev)  # under nccl the data has arrived only now
+            start = time.perf_counter()
             if kind == "F":
-                if rank == 0:
-                    inp = xs[i]
-                else:
-                    inp = torch.empty(xs[i].shape[0], WIDTH, device=dev)
-                    dist.recv(inp, rank - 1)
-                    inp.requires_grad_()
-                sync(dev)  # under nccl the data has arrived only now
-                start, kept = time.perf_counter(), {}
+                inp, kept = xs[i] if rank == 0 else buf.requires_grad_(), {}
 
                 def pack(t, kept=kept):  # each storage once, parameters left out
                     storage = t.untyped_storage()
@@ -475,26 +495,22 @@ def run_pipeline(rank, world_size, plans, groups, repeats, steps):
                 sync(dev)
                 end = time.perf_counter()  # the span closes before the send
                 if not last:
-                    act = out.detach()
-                    sends.append((dist.isend(act, rank + 1), act))
+                    outbox.append(dist.P2POp(dist.isend, out.detach(), rank + 1))
                 saved[i] = (inp, out, sum(kept.values()))
                 held += saved[i][2]
                 peak, most = max(peak, held), max(most, len(saved))
             else:
                 inp, out, nbytes = saved.pop(i)
-                if not last:
-                    grad = torch.empty_like(out)
-                    dist.recv(grad, rank + 1)
-                    sync(dev)
-                start = time.perf_counter()
-                out.backward() if last else out.backward(grad)
+                out.backward(buf)  # buf: the gradient received; None for the loss
                 sync(dev)
                 end = time.perf_counter()
                 if rank > 0:
-                    sends.append((dist.isend(inp.grad, rank - 1), inp.grad))
+                    outbox.append(dist.P2POp(dist.isend, inp.grad, rank - 1))
                 held -= nbytes
             spans.append((f"stage {rank}", start, end, f"{kind}{i}"))
-        for request, _ in sends:
+        if outbox:
+            sends += dist.batch_isend_irecv(outbox)
+        for request in sends:  # each receive was waited for once already
             request.wait()
         sync(dev)
         cpu = time.process_time() - cpu0
@@ -799,8 +815,8 @@ for r in launch(traced_rank, P, timeout=120, backend="gloo"):  # CPU stages
 # DeepSeek-V3's training (the DualPipe repository credits them): two stages
 # on each rank in a V shape (rank 0 holds the first and the last), pairing a
 # forward of one micro-batch with a backward of another. Each schedule
-# exposes the order it runs; here, rank 0's, with 2 ranks and 4 micro-batches
-# (`0F1` is stage 0's forward of micro-batch 1):
+# exposes the order it runs on every rank; here with 2 ranks and 4
+# micro-batches (`0F1` is stage 0's forward of micro-batch 1):
 
 # %%
 def zero_bubble_rank(rank, world_size):
@@ -826,7 +842,8 @@ def zero_bubble_rank(rank, world_size):
             schedule.step(x, target=y)
         else:
             schedule.step()
-        shown[cls.__name__] = [str(a) for a in schedule.pipeline_order[rank] if a]
+        shown[cls.__name__] = [[str(a) for a in schedule.pipeline_order[r] if a]
+                               for r in range(world_size)]
     # a function registered for OVERLAP_F_B would run its two parts together
     shown["overlap function registered"] = (
         OVERLAP_F_B in schedule._comp_type_to_function_map)
@@ -835,19 +852,23 @@ def zero_bubble_rank(rank, world_size):
 
 shown = launch(zero_bubble_rank, P, timeout=120, backend="gloo")[0].value
 for name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-    print(f"{name}, rank 0: {' '.join(shown[name])}")
-order = shown["ScheduleZBVZeroBubble"]
-later = [a for k, a in enumerate(order)
-         if "W" in a and order[k - 1] != a.replace("W", "I")]
-print(f"zero-bubble: {len(later)} of {sum('W' in a for a in order)} W's run later than "
-      f"right after their I ({' '.join(later)}); DualPipeV: a function registered "
-      f"for OVERLAP_F_B: {shown['overlap function registered']}")
+    for r, order in enumerate(shown[name]):
+        print(f"{name}, rank {r}: {' '.join(order)}")
+for r, order in enumerate(shown["ScheduleZBVZeroBubble"]):
+    later = [a for k, a in enumerate(order)
+             if "W" in a and order[k - 1] != a.replace("W", "I")]
+    print(f"zero-bubble, rank {r}: {len(later)} of {sum('W' in a for a in order)} "
+          f"W's run later than right after their I ({' '.join(later) or '-'})")
+print("DualPipeV: a function registered for OVERLAP_F_B: "
+      f"{shown['overlap function registered']}")
 
 # %% [markdown]
 # In the zero-bubble order, `I` and `W` are separate entries, so the
 # schedule may run a `W` later, in a moment where the rank would otherwise
-# wait for a neighbour; the line above counts the `W`s it moved (in this
-# small case, 4 micro-batches on 2 ranks, none: each follows its `I`). DualPipeV's
+# wait for a neighbour. The lines above count the `W`s it moved: on rank 0
+# each `W` follows its `I`; on rank 1 the last `W`s wait until the end of the
+# step, after the `I`s that rank 0 still needs, filling what would be the
+# cool-down bubble. DualPipeV's
 # `OVERLAP_F_B` entries pair a forward and a backward of different
 # micro-batches so that one's communication can hide behind the other's
 # computation - but in torch 2.13 the runtime runs the two parts **one after
@@ -860,8 +881,10 @@ print(f"zero-bubble: {len(later)} of {sum('W' in a for a in order)} W's run late
 # Large models combine both: the layers are split into `p` pipeline stages,
 # and the whole pipeline is replicated `d` times for data parallelism.
 #
-# **Claim** (the seeds): model parallelism inside a node, data parallelism
-# across nodes. **Published**: the Megatron-LM paper that seed 002 cites
+# **Claim** (a common summary, which seed 002 echoes: "8 to 10 GPUs per
+# node" beside Megatron-LM's 3,072-GPU run): model parallelism inside a node,
+# data parallelism across nodes. **Published**: the Megatron-LM paper that
+# seed 002 cites
 # (Narayanan et al., SC '21, arXiv 2104.04473) puts *tensor* parallelism
 # (each layer's matmuls split across GPUs, a later chapter) inside a node,
 # up to its GPU count, and *pipeline* parallelism across nodes, with data
@@ -936,30 +959,66 @@ for stage_index, replica, grads in mesh_ranks:
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 7.1: a GPipe schedule
+# ### Exercise 7.1: a two-stage training step
 #
-# Write `gpipe_schedule(p, m)`: for each of the `p` stages, the list of the
-# operations it runs, in order, as `("F", i)` and `("B", i)` for micro-batch
-# `i`. GPipe runs all forwards, then all backwards. The checker runs your
-# schedule (each operation one time unit, each waiting for its input) and
-# wants it as short as a pipeline can be.
+# Write `two_stage_step(stage, rank, x, y, m, hidden)`, run on two ranks: rank
+# 0 holds the first half of a model (`stage`), rank 1 the second half. Both
+# ranks get the whole batch `x` (inputs) and `y` (targets). Cut both into `m`
+# micro-batches with `.chunk(m)`; rank 0 runs its stage on each and sends the
+# activation (`hidden` columns, in `x.dtype`) to rank 1, which runs its stage
+# and the loss, a micro-batch's share of the whole batch's mean squared error
+# (`mse_loss(out, y_i, reduction="sum") / y.numel()`). Then the boundary
+# backward of section 1, across processes: rank 1 sends the gradient of each
+# received activation back, and rank 0 calls `backward` with it. Start from
+# zero gradients; rank 1 returns the step's loss. Both stages must end with
+# the gradients one process computes on the whole batch. Mind the order: a
+# blocking send waits for the matching receive.
+#
+# The checker runs your function on two real processes with models of other
+# widths, in float32 and float64, 1 to 5 micro-batches, twice in a row.
 
 # %% tags=["exercise"] exercise="7.1"
-def gpipe_schedule(p, m):
+def two_stage_step(stage, rank, x, y, m, hidden):
     ### BEGIN SOLUTION
-    return [[("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-            for _ in range(p)]
+    stage.zero_grad()
+    kept, loss = [], 0.0
+    for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):  # all forwards
+        if rank == 0:
+            out = stage(xi)
+            dist.send(out.detach(), 1)
+            kept.append(out)
+        else:
+            h = torch.empty(len(yi), hidden, dtype=x.dtype, device=x.device)
+            dist.recv(h, 0)
+            part = nn.functional.mse_loss(stage(h.requires_grad_()), yi,
+                                          reduction="sum") / y.numel()
+            kept.append((h, part))
+            loss += part.item()
+    for item in kept:  # then all backwards, in the same order on both ranks
+        if rank == 0:
+            grad = torch.empty_like(item)
+            dist.recv(grad, 1)
+            item.backward(grad)
+        else:
+            item[1].backward()
+            dist.send(item[0].grad, 0)
+    return loss if rank == 1 else None
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="7.1"
-check_gpipe(gpipe_schedule)
+check_two_stage_step(two_stage_step)
 
 # %% [markdown]
 # ### Exercise 7.2: a 1F1B schedule
 #
-# Write `one_f_one_b(p, m)` in the same form: as fast as GPipe, but holding at
-# most `p - s` micro-batches (forwarded, not yet backwarded) on stage `s`.
+# Write `one_f_one_b(p, m)`: for each of the `p` stages, the list of the
+# operations it runs, in order, as `("F", i)` and `("B", i)` for micro-batch
+# `i`, as fast as GPipe but holding at most `p - s` micro-batches (forwarded,
+# not yet backwarded) on stage `s`. Predict first how many stage 0 holds with
+# 3 stages. The checker runs your lists on a simulator (one time unit per
+# operation, each waiting for its input) for several `p` and `m`, then on 3
+# real processes that count what each stage holds.
 
 # %% tags=["exercise"] exercise="7.2"
 def one_f_one_b(p, m):
