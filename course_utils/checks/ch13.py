@@ -1,0 +1,419 @@
+"""Checkers for Chapter 13 (putting it together).
+
+- 13.1: a pipeline x tensor-parallel stage on 4 gloo ranks, for tp 2 and 1
+  and depths 2 and 4, float32 and float64: GPipe's loss and every gradient
+  against one process, which ranks share a pipeline group and a TP mesh
+  (TP ranks adjacent), and that the blocks' weights really are sharded;
+- 13.2: a layout search against the planner's own ranking, on several
+  models, GPUs, GPU counts (24 too) and throughput targets, some impossible;
+- 13.3: a tool that names the mesh dimensions whose reduction is missing,
+  on gradients made by autograd on different data shards, float32 and
+  float64, tiny and huge magnitudes, 1-D to 3-D meshes, rounding noise.
+
+The ``_*_rank`` function takes a list of answers, so that the tests judge
+many answers in one launch; the checker passes one.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_utils import planner, reference
+from course_utils.dist import LaunchTimeout, RankFailed, launch
+from course_utils.exercises import call_learner, fail, passed, require_solution
+
+TIMEOUT_S = 240  # 4 ranks on 2 cores, DTensor and pipelining: slow on a busy machine
+
+
+def _error(e: Exception) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+# ---------------------------------------------------------------- exercise 13.1
+
+class _Attention(nn.Module):
+    def __init__(self, dim, n_heads):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False)
+                                              for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim, n_heads):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _Attention(dim, n_heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
+                                 nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ExerciseGPT(nn.Module):
+    """The chapter's GPT, the same structure and parameter names."""
+
+    def __init__(self, vocab=48, dim=32, n_heads=4, n_layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): _Block(dim, n_heads)
+                                     for i in range(n_layers)})
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return x if self.head is None else self.head(self.norm(x))
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# (tp, layers, dtype, seed)
+STAGE_CASES = ((2, 2, torch.float32, 0), (1, 4, torch.float64, 1),
+               (2, 4, torch.float64, 2))
+
+
+def _stage_rank(rank: int, world: int, fns: list, cases=STAGE_CASES) -> list:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import ScheduleGPipe
+    from torch.distributed.tensor import DTensor
+
+    warnings.filterwarnings("ignore")
+    out = []
+    for fn in fns:
+        per_case = []
+        for tp, layers, dtype, seed in cases:
+            g = torch.Generator().manual_seed(seed)
+            tokens, targets = torch.randint(0, 48, (2, 4, 6), generator=g)
+            torch.manual_seed(seed)
+            ref = ExerciseGPT(n_layers=layers).to(dtype)
+            _loss(ref(tokens), targets).backward()
+            try:
+                torch.manual_seed(seed)
+                stage = fn(ExerciseGPT(n_layers=layers).to(dtype), tp)
+                module = stage.submod
+                names = [n for n, _ in module.named_parameters()]
+                tp_peers = next((sorted(p.device_mesh.mesh.flatten().tolist())
+                                 for p in module.parameters()
+                                 if isinstance(p, DTensor)), None)
+                sharded = any(isinstance(p, DTensor) and p.to_local().numel()
+                              < p.numel() for p in module.parameters())
+                schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=_loss)
+                losses = []
+                if stage.is_first:
+                    schedule.step(tokens)
+                elif stage.is_last:
+                    schedule.step(target=targets, losses=losses)
+                else:
+                    schedule.step()
+                ref_grads = dict(ref.named_parameters())
+                diffs = {}
+                for n, p in module.named_parameters():
+                    grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else (
+                        p.grad)
+                    want = ref_grads[n].grad if n in ref_grads else None
+                    diffs[n] = (float("inf") if grad is None or want is None
+                                or grad.shape != want.shape
+                                else (grad.double() - want.double()).abs().max().item())
+                per_case.append({
+                    "pp_group": sorted(dist.get_process_group_ranks(stage.group)),
+                    "tp_peers": tp_peers, "sharded": sharded, "names": names,
+                    "loss": (torch.stack(losses).mean().item() if losses else None),
+                    "ref_loss": _loss(ref(tokens), targets).item(), "diffs": diffs,
+                    "all_names": [n for n, _ in ref.named_parameters()],
+                    "stage_index": stage.stage_index, "num_stages": stage.num_stages})
+            except Exception as e:  # all ranks raise alike: nothing left waiting
+                per_case.append({"error": _error(e)})
+        out.append(per_case)
+    return out
+
+
+def judge_stage(ranks: list[list[dict]]) -> None:
+    """``ranks[r][c]``: rank r's result for case c. Fail with the mistake made."""
+    ex = "13.1"
+    world = len(ranks)
+    for c, (tp, layers, dtype, _) in enumerate(STAGE_CASES):
+        where = (f"{world} ranks, tp={tp}, {layers} layers, "
+                 f"{str(dtype).replace('torch.', '')}")
+        results = [r[c] for r in ranks]
+        for rank, r in enumerate(results):
+            if "error" in r:
+                err = r["error"]
+                hint = ("the mesh has world_size // tp pipeline stages: use "
+                        "dist.get_world_size() and tp, not fixed numbers"
+                        if "mesh" in err.lower() or "numel" in err
+                        else "fix that error and run the exercise cell again")
+                fail(ex, f"pp_tp_stage to run ({where})", f"rank {rank}: {err}", hint)
+        n_stages = world // tp
+        for rank, r in enumerate(results):
+            if r["num_stages"] != n_stages:
+                fail(ex, f"{n_stages} pipeline stages ({where})",
+                     f"a PipelineStage of {r['num_stages']} stages on rank {rank}",
+                     "the pipeline has world_size // tp stages")
+            want_group = [i for i in range(world) if i % tp == rank % tp]
+            if r["pp_group"] != want_group:
+                hint = ("the TP ranks of a stage must be adjacent (a node's GPUs): "
+                        "make tp the last, fastest-varying mesh dimension, "
+                        "mesh shape (world // tp, tp)"
+                        if tp > 1 and r["pp_group"] == list(range(
+                            rank // n_stages * n_stages, rank // n_stages * n_stages
+                            + n_stages)) else
+                        "give the PipelineStage the pipeline dimension's group: "
+                        "mesh['pp'].get_group()")
+                fail(ex, f"rank {rank}'s pipeline group {want_group} ({where})",
+                     f"{r['pp_group']}", hint)
+            if r["stage_index"] != rank // tp:
+                fail(ex, f"rank {rank} to run stage {rank // tp} ({where})",
+                     f"stage {r['stage_index']}",
+                     "the stage index is the rank's coordinate on the pipeline "
+                     "dimension: mesh['pp'].get_local_rank()")
+            if tp > 1:
+                peers = list(range(rank // tp * tp, rank // tp * tp + tp))
+                if r["tp_peers"] is None or not r["sharded"]:
+                    fail(ex, f"the blocks' weights sharded over tp={tp} ({where})",
+                         f"no sharded weight on rank {rank}",
+                         "apply the tensor-parallel plan to the stage's blocks "
+                         "on mesh['tp']")
+                if r["tp_peers"] != peers:
+                    fail(ex, f"rank {rank}'s TP peers {peers} ({where})",
+                         f"{r['tp_peers']}",
+                         "parallelize on the tensor-parallel dimension mesh['tp'], "
+                         "whose ranks are adjacent")
+        held = [n for r in results[::tp] for n in r["names"]]
+        all_names = results[0]["all_names"]
+        if sorted(held) != sorted(all_names):
+            extra = sorted({n for n in held if held.count(n) > 1})
+            fail(ex, f"each parameter on exactly one stage ({where})",
+                 f"held twice: {extra[:3]}" if extra else
+                 f"missing: {sorted(set(all_names) - set(held))[:3]}",
+                 "keep only this stage's blocks (pipeline_stage(model, index, "
+                 "n_stages)), the embedding on the first, norm and head on the last")
+        tol = 1e-4 if dtype == torch.float32 else 1e-9
+        last = results[-1]
+        if last["loss"] is None or not math.isclose(
+                last["loss"], last["ref_loss"], rel_tol=tol, abs_tol=tol):
+            fail(ex, f"the loss of one process, {last['ref_loss']:.6f} ({where})",
+                 f"{last['loss']}", "the last stage computes the loss; check which "
+                 "blocks each stage keeps and the plan's column/row pairs")
+        for rank, r in enumerate(results):
+            for n, d in r["diffs"].items():
+                if not d <= tol * 10:
+                    fail(ex, f"every gradient equal to one process ({where})",
+                         f"{n} on rank {rank} differs by {d:.3g}",
+                         "the plan pairs ColwiseParallel (wq, wk, wv, mlp.0) with "
+                         "RowwiseParallel (wo, mlp.2)")
+
+
+def _run_stage(fns: list) -> list:
+    try:
+        ranks = [r.value for r in launch(_stage_rank, 4, args=(fns,),
+                                         timeout=TIMEOUT_S, backend="gloo",
+                                         echo=False)]
+    except RankFailed as e:
+        fail("13.1", "every rank to finish", str(e).splitlines()[0][:200],
+             "every rank must build the same mesh and run its stage")
+    except LaunchTimeout as e:
+        fail("13.1", "every rank to finish", str(e).splitlines()[0],
+             "a rank waited for a peer that never came: every rank must build the "
+             "same mesh, and the stage's group is the pipeline dimension's")
+    return [[r[i] for r in ranks] for i in range(len(fns))]
+
+
+def check_pp_tp_stage(pp_tp_stage: Callable) -> None:
+    require_solution("13.1", pp_tp_stage)
+    judge_stage(_run_stage([pp_tp_stage])[0])
+    passed("13.1", "equal to one process for tp 2 and 1, with adjacent TP ranks.")
+
+
+# ---------------------------------------------------------------- exercise 13.2
+
+# (model, gpu, GPUs, seq, global batch, minimum tokens/s)
+LAYOUT_CASES = (
+    (planner.LLAMA3_8B, "h100_sxm", 64, 8192, 512, 0.0),
+    (planner.LLAMA3_70B, "h100_sxm", 64, 4096, 256, 1.0e5),
+    (planner.LLAMA3_8B, "t4", 16, 2048, 64, 0.0),
+    (planner.LLAMA2_7B, "l4", 24, 2048, 48, 1.0e3),
+    (planner.LLAMA3_70B, "h100_pcie", 32, 4096, 128, 1.0e9),  # no layout is that fast
+    (planner.LLAMA3_405B, "t4", 8, 2048, 8, 0.0),  # nothing fits
+    (planner.LLAMA2_7B, "h100_sxm", 32, 2048, 24, 0.0),  # dp 16 and 32 not allowed
+)
+
+
+@functools.cache
+def expected_layout(case):
+    """The planner's best layout that fits and meets the target, or None."""
+    model, gpu, n, seq, batch, target = case
+    rows = [r for r in planner.plan(model, gpu, n, seq, batch)
+            if r.fits and r.tokens_per_s >= target]
+    return rows[0] if rows else None
+
+
+def judge_layout(case, got) -> None:
+    ex = "13.2"
+    model, gpu, n, seq, batch, target = case
+    where = (f"{model.name} on {n} x {gpu}, {batch} x {seq} tokens, at least "
+             f"{target:.3g} tokens/s")
+    best = expected_layout(case)
+    if got is None:
+        if best is None:
+            return
+        fail(ex, f"a layout ({where})", "None",
+             f"{best.layout} fits and is fast enough: try every tp, pp and dp, and "
+             "recompute=True when a layout does not fit without it")
+    if not all(hasattr(got, a) for a in ("dp", "tp", "pp")):
+        fail(ex, f"a planner.Layout ({where})", f"a {type(got).__name__}",
+             "return planner.Layout(dp, tp, pp, recompute=...)")
+    if best is None:
+        fail(ex, f"None: no layout fits and meets the target ({where})", str(got),
+             "check the memory against 90 % of the GPU's and the throughput "
+             "against the target before keeping a layout")
+    if got.dp * got.tp * got.pp != n:
+        fail(ex, f"dp x tp x pp = {n} ({where})",
+             f"{got.dp} x {got.tp} x {got.pp} = {got.dp * got.tp * got.pp}",
+             "use every GPU: the GPU count is an argument, not a constant")
+    if got.tp > 8 or model.heads % got.tp:
+        fail(ex, f"tp at most 8 and dividing {model.heads} heads ({where})",
+             f"tp {got.tp}", "tensor parallelism stays inside an 8-GPU node")
+    if model.layers % got.pp or batch % got.dp:
+        fail(ex, f"pp dividing {model.layers} layers and dp dividing {batch} "
+             f"sequences ({where})", f"pp {got.pp}, dp {got.dp}",
+             "check both divisions")
+    capacity = 0.9 * reference.published(f"{gpu}.memory_gb").value * 1e9
+    mem = planner.memory_per_gpu(model, got, seq, batch)["total"]
+    if mem > capacity:
+        fail(ex, f"a layout that fits 90 % of the GPU ({capacity / 1e9:.0f} GB, "
+             f"{where})", f"{got}: {mem / 1e9:.1f} GB per GPU",
+             "compare planner.memory_per_gpu(...)['total'] with the GPU's memory "
+             "(memory_gb is in GB: x 1e9 bytes)")
+    t = planner.step_seconds(model, got, gpu, seq, batch).value
+    if batch * seq / t < target:
+        fail(ex, f"at least {target:.3g} tokens/s ({where})",
+             f"{got}: {batch * seq / t:.3g}", "tokens per second = global batch x "
+             "sequence / step time: drop layouts below the target")
+    if t > best.step.value * (1 + 1e-9):
+        fail(ex, f"the fastest layout that fits: {best.layout}, "
+             f"{best.step.value:.3g} s ({where})", f"{got}: {t:.3g} s",
+             "keep the layout with the shortest step time among all that fit, not "
+             "the first one found" + ("; recompute only where a layout needs it"
+                                      if getattr(got, "recompute", False) else ""))
+
+
+def check_choose_layout(choose_layout: Callable) -> None:
+    require_solution("13.2", choose_layout)
+    for case in LAYOUT_CASES:
+        for _ in range(2):  # twice: nothing may carry over between calls
+            got = call_learner("13.2", choose_layout, *case)
+            judge_layout(case, got)
+    passed("13.2", "the planner's best layout on every cluster, None where none fits.")
+
+
+# ---------------------------------------------------------------- exercise 13.3
+
+# (mesh shape, names, missing dims, dtype, scale, seed)
+REDUCTION_CASES = (
+    ((2, 2), ("dp", "tp"), {"dp"}, torch.float32, 1.0, 0),
+    ((2, 2), ("dp", "tp"), set(), torch.float32, 1e6, 1),
+    ((3, 2), ("pp", "dp"), {"dp"}, torch.float64, 1e-6, 2),
+    ((4,), ("dp",), set(), torch.float64, 1.0, 3),
+    ((2, 3, 2), ("dp", "cp", "tp"), {"cp", "tp"}, torch.float32, 1e-5, 4),
+    ((2, 2, 2), ("pp", "dp", "tp"), {"pp"}, torch.float32, 3e4, 5),
+    ((5,), ("dp",), {"dp"}, torch.float32, 1.0, 6),
+    ((3, 2), ("dp", "tp"), set(), torch.float32, 1e-6, 7),
+)
+
+
+def make_gradients(case) -> dict[tuple, torch.Tensor]:
+    """Per coordinate, one parameter's gradient as ranks would hold it.
+
+    A linear layer's weight gradient on a shard of the batch, by autograd: a
+    rank whose reduction is missing along some dimensions holds the mean over
+    the shards it did reduce, computed in its own order (so rounding
+    differs); a correct rank holds the mean over all shards.
+    """
+    shape, names, missing, dtype, scale, seed = case
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(5, 7, generator=g, dtype=torch.float64) * scale).to(dtype)
+    coords = list(itertools.product(*(range(s) for s in shape)))
+    shards = {}
+    for c in coords:
+        x = torch.randn(3, 7, generator=g, dtype=dtype) * (1 + 9 * torch.rand(
+            1, generator=g).item())
+        y = torch.randn(3, 5, generator=g, dtype=dtype) * scale
+        wc = w.clone().requires_grad_()
+        F.mse_loss(x @ wc.t(), y).backward()
+        shards[c] = wc.grad
+    kept = [i for i, n in enumerate(names) if n in missing]
+    out = {}
+    for c in coords:
+        group = [d for d in coords if all(d[i] == c[i] for i in kept)]
+        order = group[len(group) // 2:] + group[:len(group) // 2]  # this rank's order
+        if sum(c) % 2:
+            order = order[::-1]
+        total = torch.zeros_like(w)
+        for d in order:
+            total = total + shards[d]
+        out[c] = total / len(group)
+    return out
+
+
+def judge_reduction(case, got) -> None:
+    ex = "13.3"
+    shape, names, missing, dtype, scale, _ = case
+    where = (f"mesh {shape} {names}, {str(dtype).replace('torch.', '')} gradients "
+             f"of size about {scale:g}")
+    if isinstance(got, str) or not hasattr(got, "__iter__"):
+        fail(ex, f"a set of dimension names ({where})", repr(got),
+             "return a set of names from dim_names, empty when nothing is missing")
+    got = set(got)
+    if got == missing:
+        return
+    if not got - set(names) and got > missing and not missing:
+        hint = ("the ranks differ only by rounding here: compare with a tolerance "
+                "relative to the gradients' magnitude (float32 about 1e-6 of it)")
+    elif got > missing:
+        hint = ("a dimension was flagged that only differs by rounding, or because "
+                "another dimension differs: compare ranks that differ in one "
+                "coordinate only, with a tolerance relative to the magnitude")
+    elif got < missing:
+        hint = ("a real disagreement was missed: the tolerance must scale with the "
+                "gradients' size (an absolute 1e-6 hides gradients of size 1e-6), "
+                "and every dimension and coordinate must be compared")
+    else:
+        hint = ("compare ranks that differ in exactly one mesh coordinate, for each "
+                "dimension in turn, and name the dimension by dim_names")
+    fail(ex, f"missing reductions {sorted(missing) or 'none'} ({where})",
+         f"{sorted(got) if got else 'none'}", hint)
+
+
+def check_missing_reductions(missing_reductions: Callable) -> None:
+    require_solution("13.3", missing_reductions)
+    for case in REDUCTION_CASES:
+        grads = make_gradients(case)
+        for _ in range(2):  # twice, with the same dict: nothing may carry over
+            got = call_learner("13.3", missing_reductions,
+                               {c: t.clone() for c, t in grads.items()}, case[1])
+            judge_reduction(case, got)
+    passed("13.3", "every missing reduction found, none invented.")

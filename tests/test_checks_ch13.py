@@ -1,0 +1,616 @@
+"""Chapter 13's checkers: right answers written differently pass, and typical
+mistakes fail with a message that names them.
+
+Exercise 13.1's answers run together in one launch of 4 ranks (the checker's
+rank function takes a list of answers); each is then judged. The wrong
+answers are ones that run to the end on every rank (a wrong answer that
+raises on one pipeline stage only would leave the other waiting)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel as Col
+
+from course_utils import planner, reference
+from course_utils.checks import ch13
+from course_utils.exercises import ExerciseFailed
+
+
+def rejected(judge, *args):
+    with pytest.raises(ExerciseFailed) as e:
+        judge(*args)
+    return str(e.value)
+
+
+# ------------------------------------------------------------------ 13.1
+
+PLAN = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+
+
+def keep_stage(model, index, n_stages, extra=0, per=None):
+    names = list(model.layers)
+    per = per or len(names) // n_stages
+    keep = names[index * per:(index + 1) * per + extra]
+    for name in names:
+        if name not in keep:
+            del model.layers[name]
+    if index > 0:
+        model.embed = None
+    if index < n_stages - 1:
+        model.norm = model.head = None
+    return model
+
+
+def make_tp(model, mesh):
+    for block in model.layers.values():
+        parallelize_module(block, mesh, PLAN)
+    return model
+
+
+def right_device_mesh(model, tp):
+    world = dist.get_world_size()
+    mesh = DeviceMesh("cpu", torch.arange(world).view(-1, tp),
+                      mesh_dim_names=("pp", "tp"))
+    i = mesh.get_local_rank("pp")
+    stage = make_tp(keep_stage(model, i, world // tp), mesh["tp"])
+    return PipelineStage(stage, i, world // tp, torch.device("cpu"),
+                         group=mesh.get_group("pp"))
+
+
+def right_tp_first(model, tp):
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    model = make_tp(model, mesh["tp"])  # parallelize every block, then cut
+    i = dist.get_rank() // tp
+    return PipelineStage(keep_stage(model, i, n), i, n, "cpu",
+                         group=mesh["pp"].get_group())
+
+
+class RightBuilder:
+    def __call__(self, model, tp):
+        n = dist.get_world_size() // tp
+        mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("stage", "model"))
+        i = mesh.get_coordinate()[0]
+        stage = make_tp(keep_stage(model, i, n), mesh["model"])
+        return PipelineStage(stage, i, n, torch.device("cpu"), group=mesh.get_group(0))
+
+
+right_class = RightBuilder()
+
+
+def right_rebuilt_dict(model, tp):
+    import torch.nn as tnn
+
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    names = list(model.layers)
+    per = len(names) // n
+    model.layers = tnn.ModuleDict({k: model.layers[k]
+                                   for k in names[i * per:(i + 1) * per]})
+    if i:
+        model.embed = None
+    if i != n - 1:
+        model.norm, model.head = None, None
+    plan = {"attn.wq": Col(), "attn.wk": Col(), "attn.wv": Col(),
+            "attn.wo": RowwiseParallel(), "mlp.0": Col(), "mlp.2": RowwiseParallel()}
+    for block in model.layers.values():
+        parallelize_module(block, mesh["tp"], plan)
+    return PipelineStage(model, i, n, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+def right_with_extra_work(model, tp):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pp", "tp"))
+    model.zero_grad()  # harmless
+    _ = sum(p.numel() for p in model.parameters())
+    stage = keep_stage(model, rank // tp, world // tp)
+    for block in stage.layers.values():
+        parallelize_module(block, mesh["tp"], dict(PLAN))
+    return PipelineStage(stage, rank // tp, world // tp, torch.device("cpu"),
+                         group=mesh["pp"].get_group())
+
+
+def wrong_swapped_mesh(model, tp):  # TP ranks 0 and 2: across "nodes"
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (tp, n), mesh_dim_names=("tp", "pp"))
+    i = mesh["pp"].get_local_rank()
+    stage = make_tp(keep_stage(model, i, n), mesh["tp"])
+    return PipelineStage(stage, i, n, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+def wrong_fixed_tp(model, tp):
+    return right_device_mesh(model, 2)
+
+
+def wrong_ignores_tp(model, tp):  # every rank its own stage
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    i = dist.get_rank()
+    return PipelineStage(keep_stage(model, i, world), i, world, torch.device("cpu"),
+                         group=mesh.get_group())
+
+
+def wrong_no_tp(model, tp):
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    return PipelineStage(keep_stage(model, i, n), i, n, torch.device("cpu"),
+                         group=mesh["pp"].get_group())
+
+
+def wrong_all_blocks(model, tp):  # keeps every block on every stage
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    if i > 0:
+        model.embed = None
+    if i < n - 1:
+        model.norm = model.head = None
+    return PipelineStage(make_tp(model, mesh["tp"]), i, n, torch.device("cpu"),
+                         group=mesh["pp"].get_group())
+
+
+def wrong_one_block_each(model, tp):
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    stage = make_tp(keep_stage(model, i, n, per=1), mesh["tp"])
+    return PipelineStage(stage, i, n, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+def wrong_overlap(model, tp):  # off by one: a block on two stages
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    stage = make_tp(keep_stage(model, i, n, extra=1), mesh["tp"])
+    return PipelineStage(stage, i, n, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+def wrong_float32(model, tp):
+    return right_device_mesh(model.float(), tp)
+
+
+_CACHE = {}
+
+
+def wrong_cached_mesh(model, tp):  # the first call's mesh, reused
+    world = dist.get_world_size()
+    if "mesh" not in _CACHE:
+        _CACHE["mesh"] = init_device_mesh("cpu", (world // tp, tp),
+                                          mesh_dim_names=("pp", "tp"))
+    mesh = _CACHE["mesh"]
+    n, i = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    stage = make_tp(keep_stage(model, i, n), mesh["tp"])
+    return PipelineStage(stage, i, n, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+def wrong_fresh_model(model, tp):  # new weights instead of the given ones
+    fresh = type(model)(n_layers=len(model.layers)).to(next(model.parameters()).dtype)
+    return right_device_mesh(fresh, tp)
+
+
+def wrong_two_stages(model, tp):
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                            mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    stage = make_tp(keep_stage(model, i, 2), mesh["tp"])
+    return PipelineStage(stage, i, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+RIGHT_STAGE = [right_device_mesh, right_tp_first, right_class, right_rebuilt_dict,
+               right_with_extra_work]
+WRONG_STAGE = {
+    wrong_swapped_mesh: "adjacent", wrong_fixed_tp: "pipeline stages",
+    wrong_ignores_tp: "pipeline stages", wrong_no_tp: "sharded",
+    wrong_all_blocks: "exactly one stage", wrong_one_block_each: "exactly one stage",
+    wrong_overlap: "exactly one stage", wrong_float32: "equal to one process",
+    wrong_cached_mesh: "pipeline stages", wrong_fresh_model: "one process",
+    wrong_two_stages: "pipeline stages",
+}
+
+
+@pytest.fixture(scope="module")
+def stage_results():
+    fns = RIGHT_STAGE + list(WRONG_STAGE)
+    return dict(zip(fns, ch13._run_stage(fns), strict=True))
+
+
+@pytest.mark.parametrize("fn", RIGHT_STAGE, ids=lambda f: getattr(f, "__name__", "cls"))
+def test_stage_right_answers_pass(stage_results, fn):
+    ch13.judge_stage(stage_results[fn])
+
+
+@pytest.mark.parametrize("fn", list(WRONG_STAGE), ids=lambda f: f.__name__)
+def test_stage_wrong_answers_fail(stage_results, fn):
+    msg = rejected(ch13.judge_stage, stage_results[fn])
+    assert WRONG_STAGE[fn] in msg, msg
+
+
+# ------------------------------------------------------------------ 13.2
+
+
+def _capacity(gpu):
+    return 0.9 * reference.published(f"{gpu}.memory_gb").value * 1e9
+
+
+def _ok(model, lay, gpu, seq, batch, target):
+    if planner.memory_per_gpu(model, lay, seq, batch)["total"] > _capacity(gpu):
+        return None
+    t = planner.step_seconds(model, lay, gpu, seq, batch).value
+    return t if batch * seq / t >= target else None
+
+
+def right_product(model, gpu, n, seq, batch, target):
+    found = []
+    for tp, pp, rc in itertools.product(range(1, 9), range(1, n + 1), (False, True)):
+        if n % (tp * pp) or model.heads % tp or model.layers % pp:
+            continue
+        dp = n // (tp * pp)
+        if batch % dp:
+            continue
+        lay = planner.Layout(dp=dp, tp=tp, pp=pp, recompute=rc)
+        t = _ok(model, lay, gpu, seq, batch, target)
+        if t is not None:
+            found.append((t, lay))
+    return min(found, key=lambda x: x[0])[1] if found else None
+
+
+def right_sorted(model, gpu, n, seq, batch, target):
+    cands = [planner.Layout(n // (t * p), t, p, 1, True, r)
+             for t in planner.divisors(n) for p in planner.divisors(n // t)
+             for r in (True, False)
+             if t <= 8 and model.heads % t == 0 and model.layers % p == 0
+             and batch % (n // (t * p)) == 0]
+    timed = sorted((t, i) for i, lay in enumerate(cands)
+                   if (t := _ok(model, lay, gpu, seq, batch, target)) is not None)
+    return cands[timed[0][1]] if timed else None
+
+
+class RightSearch:
+    def __call__(self, model, gpu, n_gpus, seq, global_batch, min_tokens_per_s):
+        best = None
+        for lay in planner.layouts(model, n_gpus, global_batch):
+            for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)):
+                t = _ok(model, cand, gpu, seq, global_batch, min_tokens_per_s)
+                if t is not None and (best is None or t < best[0]):
+                    best = (t, cand)
+        return best and best[1]
+
+
+right_search = RightSearch()
+
+
+def right_numpy(model, gpu, n, seq, batch, target):
+    lays = [planner.Layout(d, t, p, recompute=r) for d in range(1, n + 1)
+            for t in (1, 2, 4, 8) for p in range(1, model.layers + 1)
+            for r in (False, True) if d * t * p == n and model.layers % p == 0
+            and batch % d == 0 and model.heads % t == 0]
+    times = np.array([_ok(model, lay, gpu, seq, batch, target) or np.inf
+                      for lay in lays] or [np.inf])
+    return lays[int(times.argmin())] if np.isfinite(times.min()) else None
+
+
+def right_fit_first(model, gpu, n, seq, batch, target):
+    # fit the model first (recompute only where needed), then pick the fastest
+    best, best_t = None, math.inf
+    for lay in planner.layouts(model, n, batch):
+        if planner.memory_per_gpu(model, lay, seq, batch)["total"] > _capacity(gpu):
+            lay = planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)
+        t = _ok(model, lay, gpu, seq, batch, target)
+        if t is not None and t < best_t:
+            best, best_t = lay, t
+    return best
+
+
+def wrong_no_memory(model, gpu, n, seq, batch, target):
+    rows = [(planner.step_seconds(model, lay, gpu, seq, batch).value, lay)
+            for lay in planner.layouts(model, n, batch)]
+    return min(rows, key=lambda r: r[0])[1] if rows else None
+
+
+def wrong_gb_units(model, gpu, n, seq, batch, target):
+    cap = 0.9 * reference.published(f"{gpu}.memory_gb").value  # GB, not bytes
+    for lay in planner.layouts(model, n, batch):
+        if planner.memory_per_gpu(model, lay, seq, batch)["total"] <= cap:
+            return lay
+    return None
+
+
+def wrong_first_fit(model, gpu, n, seq, batch, target):
+    for lay in planner.layouts(model, n, batch):
+        for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)):
+            if _ok(model, cand, gpu, seq, batch, target) is not None:
+                return cand
+    return None
+
+
+def wrong_fixed_gpus(model, gpu, n, seq, batch, target):
+    return right_product(model, gpu, 64, seq, batch, target)
+
+
+def wrong_no_target(model, gpu, n, seq, batch, target):
+    return right_product(model, gpu, n, seq, batch, 0.0)
+
+
+def wrong_never_recompute(model, gpu, n, seq, batch, target):
+    best = None
+    for lay in planner.layouts(model, n, batch):
+        t = _ok(model, lay, gpu, seq, batch, target)
+        if t is not None and (best is None or t < best[0]):
+            best = (t, lay)
+    return best and best[1]
+
+
+def wrong_always_recompute(model, gpu, n, seq, batch, target):
+    best = None
+    for lay in planner.layouts(model, n, batch):
+        lay = planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)
+        t = _ok(model, lay, gpu, seq, batch, target)
+        if t is not None and (best is None or t < best[0]):
+            best = (t, lay)
+    return best and best[1]
+
+
+def wrong_least_memory(model, gpu, n, seq, batch, target):  # most room, not speed
+    best = None
+    for lay in planner.layouts(model, n, batch):
+        for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)):
+            if _ok(model, cand, gpu, seq, batch, target) is None:
+                continue
+            mem = planner.memory_per_gpu(model, cand, seq, batch)["total"]
+            if best is None or mem < best[0]:
+                best = (mem, cand)
+    return best and best[1]
+
+
+def wrong_tuple(model, gpu, n, seq, batch, target):
+    lay = right_product(model, gpu, n, seq, batch, target)
+    return lay and (lay.dp, lay.tp, lay.pp)
+
+
+_MEMO = {}
+
+
+def wrong_memo_by_model(model, gpu, n, seq, batch, target):
+    if model.name not in _MEMO:
+        _MEMO[model.name] = right_product(model, gpu, n, seq, batch, target)
+    return _MEMO[model.name]
+
+
+def wrong_no_pipeline(model, gpu, n, seq, batch, target):
+    best = None
+    for lay in planner.layouts(model, n, batch):
+        if lay.pp > 1:
+            continue
+        for cand in (lay, planner.Layout(lay.dp, lay.tp, 1, recompute=True)):
+            t = _ok(model, cand, gpu, seq, batch, target)
+            if t is not None and (best is None or t < best[0]):
+                best = (t, cand)
+    return best and best[1]
+
+
+RIGHT_LAYOUT = [right_product, right_sorted, right_search, right_numpy, right_fit_first]
+WRONG_LAYOUT = {
+    wrong_no_memory: "fits", wrong_gb_units: "None", wrong_first_fit: "fastest",
+    wrong_fixed_gpus: "dp x tp x pp", wrong_no_target: "None",
+    wrong_never_recompute: "recompute", wrong_always_recompute: "fastest",
+    wrong_least_memory: "fastest", wrong_tuple: "Layout",
+    wrong_memo_by_model: "", wrong_no_pipeline: "fastest",
+}
+
+
+def _judge_all_layouts(fn):
+    for case in ch13.LAYOUT_CASES:
+        for _ in range(2):
+            ch13.judge_layout(case, fn(*case))
+
+
+@pytest.mark.parametrize("fn", RIGHT_LAYOUT,
+                         ids=lambda f: getattr(f, "__name__", "cls"))
+def test_layout_right_answers_pass(fn):
+    _judge_all_layouts(fn)
+
+
+@pytest.mark.parametrize("fn", list(WRONG_LAYOUT), ids=lambda f: f.__name__)
+def test_layout_wrong_answers_fail(fn):
+    _MEMO.clear()
+    msg = rejected(_judge_all_layouts, fn)
+    assert WRONG_LAYOUT[fn] in msg, msg
+
+
+def test_layout_checker_passes_the_solution_and_fails_the_stub():
+    ch13.check_choose_layout(right_product)
+    with pytest.raises(ExerciseFailed):
+        ch13.check_choose_layout(wrong_first_fit)
+
+
+# ------------------------------------------------------------------ 13.3
+
+
+def _tol(t):
+    return 1e-3 if t.dtype == torch.float32 else 1e-8
+
+
+def right_pairs(grads, dim_names):
+    out = set()
+    for a, b in itertools.combinations(grads, 2):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) == 1:
+            ga, gb = grads[a], grads[b]
+            scale = max(ga.abs().max().item(), gb.abs().max().item())
+            if not torch.allclose(ga, gb, rtol=0, atol=_tol(ga) * scale):
+                out.add(dim_names[diff[0]])
+    return out
+
+
+def right_std(grads, dim_names):
+    coords = sorted(grads)
+    found = set()
+    for d, name in enumerate(dim_names):
+        groups = {}
+        for c in coords:
+            groups.setdefault(c[:d] + c[d + 1:], []).append(grads[c].double())
+        for group in groups.values():
+            stack = torch.stack(group)
+            spread = (stack.max(0).values - stack.min(0).values).abs().max()
+            if spread > _tol(grads[coords[0]]) * stack.abs().max():
+                found.add(name)
+    return found
+
+
+class RightFinder:
+    def __call__(self, grads, dim_names):
+        return {n for d, n in enumerate(dim_names) if self.differs(grads, d)}
+
+    @staticmethod
+    def differs(grads, d):
+        for c, g in grads.items():
+            ref = grads[c[:d] + (0,) + c[d + 1:]]
+            if (g - ref).norm() > _tol(g) * ref.norm() * 4:
+                return True
+        return False
+
+
+right_finder = RightFinder()
+
+
+def right_mean(grads, dim_names):
+    shape = tuple(max(c[i] for c in grads) + 1 for i in range(len(dim_names)))
+    full = torch.stack([grads[c].double() for c in sorted(grads)]).view(
+        *shape, *next(iter(grads.values())).shape)
+    dtype = next(iter(grads.values())).dtype
+    out = set()
+    for d, name in enumerate(dim_names):
+        dev = (full - full.mean(d, keepdim=True)).abs().max()
+        if dev > _tol(torch.empty(0, dtype=dtype)) * full.abs().max():
+            out.add(name)
+    return out
+
+
+def right_numpy_answer(grads, dim_names):
+    arr = {c: g.double().numpy() for c, g in grads.items()}
+    tol = 1e-3 if next(iter(grads.values())).dtype == torch.float32 else 1e-8
+    missing = []
+    for d, name in enumerate(dim_names):
+        for c, a in arr.items():
+            b = arr[c[:d] + (0,) + c[d + 1:]]
+            if np.abs(a - b).max() > tol * max(np.abs(a).max(), np.abs(b).max()):
+                missing.append(name)
+                break
+    return frozenset(missing)
+
+
+def wrong_exact(grads, dim_names):
+    return {n for d, n in enumerate(dim_names)
+            if any(not torch.equal(g, grads[c[:d] + (0,) + c[d + 1:]])
+                   for c, g in grads.items())}
+
+
+def wrong_vs_origin(grads, dim_names):  # every dimension of a differing rank
+    origin = grads[tuple(0 for _ in dim_names)]
+    out = set()
+    for c, g in grads.items():
+        if (g - origin).abs().max() > _tol(g) * origin.abs().max():
+            out |= {dim_names[i] for i, x in enumerate(c) if x}
+    return out
+
+
+def wrong_fixed_names(grads, dim_names):
+    return {("dp", "tp", "pp")[d] for d in range(len(dim_names))
+            if RightFinder.differs(grads, d)}
+
+
+def wrong_first_dim_only(grads, dim_names):
+    return {dim_names[0]} if RightFinder.differs(grads, 0) else set()
+
+
+def wrong_indices(grads, dim_names):
+    return {d for d in range(len(dim_names)) if RightFinder.differs(grads, d)}
+
+
+_SEEN = set()
+
+
+def wrong_accumulates(grads, dim_names):
+    _SEEN.update(right_pairs(grads, dim_names))
+    return set(_SEEN)
+
+
+def wrong_absolute_tol(grads, dim_names):
+    return {n for d, n in enumerate(dim_names)
+            if any((g - grads[c[:d] + (0,) + c[d + 1:]]).abs().max() > 1e-4
+                   for c, g in grads.items())}
+
+
+def wrong_float64_tol(grads, dim_names):  # 1e-9 of the magnitude for float32 too
+    out = set()
+    for d, n in enumerate(dim_names):
+        for c, g in grads.items():
+            o = grads[c[:d] + (0,) + c[d + 1:]]
+            if (g - o).abs().max() > 1e-9 * o.abs().max():
+                out.add(n)
+    return out
+
+
+def wrong_inverted(grads, dim_names):
+    return set(dim_names) - right_pairs(grads, dim_names)
+
+
+def wrong_first_found(grads, dim_names):
+    for d, n in enumerate(dim_names):
+        if RightFinder.differs(grads, d):
+            return {n}
+    return set()
+
+
+RIGHT_REDUCTION = [right_pairs, right_std, right_finder, right_mean, right_numpy_answer]
+WRONG_REDUCTION = [wrong_exact, wrong_vs_origin, wrong_fixed_names,
+                   wrong_first_dim_only, wrong_indices, wrong_accumulates,
+                   wrong_absolute_tol, wrong_float64_tol, wrong_inverted,
+                   wrong_first_found]
+
+
+def _judge_all_reductions(fn):
+    for case in ch13.REDUCTION_CASES:
+        grads = ch13.make_gradients(case)
+        for _ in range(2):
+            ch13.judge_reduction(case, fn({c: t.clone() for c, t in grads.items()},
+                                          case[1]))
+
+
+@pytest.mark.parametrize("fn", RIGHT_REDUCTION,
+                         ids=lambda f: getattr(f, "__name__", "cls"))
+def test_reduction_right_answers_pass(fn):
+    _judge_all_reductions(fn)
+
+
+@pytest.mark.parametrize("fn", WRONG_REDUCTION, ids=lambda f: f.__name__)
+def test_reduction_wrong_answers_fail(fn):
+    _SEEN.clear()
+    msg = rejected(_judge_all_reductions, fn)
+    assert "missing reductions" in msg or "set of dimension names" in msg, msg
+
+
+def test_gradients_disagree_only_along_missing_dimensions():
+    for case in ch13.REDUCTION_CASES:
+        assert right_pairs(ch13.make_gradients(case), case[1]) == case[2]
+
+
+def test_reduction_checker_runs_the_learner_code():
+    ch13.check_missing_reductions(right_pairs)
+    with pytest.raises(ExerciseFailed):
+        ch13.check_missing_reductions(wrong_exact)
