@@ -913,7 +913,7 @@ for options in bn[0][1]:
 # %% [markdown]
 # By default, wrapping made rank 1's buffer rank 0's, and rank 1's second
 # forward started from rank 0's statistics, so its running mean mixes both
-# shares' and a checkpoint from rank 0 keeps mostly rank 0's.
+# shares', while a checkpoint saved by rank 0 holds rank 0's alone.
 # `forward_sync_buffers=False` still syncs at wrapping, then lets each rank
 # keep its own statistics; only the deprecated `broadcast_buffers=False` (or
 # `init_sync=False`, which skips the parameters' broadcast too) keeps a

@@ -501,6 +501,40 @@ class SaveThenLoad:  # a class; an object broadcast as the signal
         model.load_state_dict(state)
 
 
+def save_through_bytes(model, rank, path):  # bytes written by hand, a store signal
+    import io
+
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        with open(path, "wb") as f:
+            f.write(buffer.getvalue())
+    dist.all_gather_object([None] * dist.get_world_size(), rank)
+    with open(path, "rb") as f:
+        state = torch.load(io.BytesIO(f.read()), map_location=model.weight.device,
+                           weights_only=True)
+    for name, tensor in model.state_dict().items():
+        tensor.copy_(state[name])
+
+
+def save_whole_model(model, rank, path):  # pickles the module, not its state_dict
+    if rank == 0:
+        torch.save(model, path)
+    dist.barrier()
+    model.load_state_dict(torch.load(path, map_location="cpu",
+                                     weights_only=True).state_dict())
+
+
+def save_sleep_for_barrier(model, rank, path):  # a pause is not a barrier
+    import time
+
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    else:
+        time.sleep(0.1)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
 def save_every_rank(model, rank, path):
     torch.save(model.state_dict(), path)
     dist.barrier()
@@ -563,7 +597,8 @@ def save_barrier_only_on_rank_0(model, rank, path):
 
 
 @pytest.mark.parametrize("fn", [save_good, save_positional_alias,
-                                save_atomic_all_reduce, SaveThenLoad()])
+                                save_atomic_all_reduce, SaveThenLoad(),
+                                save_through_bytes])
 def test_save_then_load_accepts(fn):
     check_save_then_load(fn)
 
@@ -578,6 +613,8 @@ def test_save_then_load_accepts(fn):
     (save_unsafe_load, ["weights_only=True"]),
     (save_temp_never_renamed, ["before it existed"]),
     (save_barrier_only_on_rank_0, ["before it existed"]),
+    (save_whole_model, ["state_dict", "not the model"]),
+    (save_sleep_for_barrier, ["before it existed", "dist.barrier()"]),
     (placeholder, ["placeholder"]),
 ])
 def test_save_then_load_rejects(fn, words, short_timeout):

@@ -501,6 +501,10 @@ def check_save_then_load(save_then_load: Callable) -> None:
                                 "or while several ranks wrote it",
                                 "only rank 0 saves; every rank waits (dist.barrier()) "
                                 "until the file is complete, then loads"),
+        "Weights only load failed": (
+            "a checkpoint of tensors only, loadable with weights_only=True",
+            "a file holding a pickled module",
+            "save model.state_dict(), not the model object"),
         "deserialize object on": (
             "every rank to load onto its model's device",
             "a load onto the device the tensors were saved from, a GPU this "
