@@ -122,8 +122,12 @@ def _scalar(fig: reference.Figure, value, unit: str) -> reference.Figure:
 
 
 def plot_gather(shown: list, n: int) -> None:
-    """Coalesced GB/s and the coalesced / random ratio of each figure, side by side."""
+    """Print each figure's GB/s per pattern, then draw coalesced GB/s and the ratio."""
     import matplotlib.pyplot as plt
+
+    for f in shown:
+        print(f"  {f.legend}: " + ", ".join(f"{k} {v:,.1f}" for k, v in f.value.items())
+              + " GB/s")
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     plots.plot_figure_bars([_scalar(f, f.value["coalesced"], "GB/s") for f in shown],

@@ -31,13 +31,13 @@
 # - Why a parallel speed-up is capped (Amdahl's law), measured here.
 #
 # **Hardware.** The kernels are written once. With a GPU they run on it.
-# Without one, numba's *CUDA simulator* runs the same kernel source on the
-# CPU, one Python thread per GPU thread: slow, so sizes are tiny, but it checks
-# indices and runs `syncthreads` like the hardware. What needs a GPU to be
-# seen (timings of kernels, bandwidths) is then shown beside labelled GPU
-# figures: *published* (a datasheet or paper, cited) or *predicted* (a model
-# with its inputs). This course has recorded no GPU run of this chapter yet;
-# a *recorded* figure appears once someone runs `make record` on a GPU.
+# Without one, numba's *CUDA simulator* runs the same source on the CPU, one
+# Python thread per GPU thread: slow, so sizes are tiny, but it checks indices
+# and runs `syncthreads` like the hardware. What only a GPU shows (kernel
+# timings, bandwidths) is then set beside labelled GPU figures, *published*
+# (cited) or *predicted* (a model with its inputs). No GPU run of this chapter
+# has been recorded yet; *recorded* figures appear after `make record` on a
+# GPU.
 
 # %% [markdown]
 # Import `course_utils` **before** numba: it tells numba whether to use the GPU
@@ -126,34 +126,30 @@ print(f"threads resident at once: {cpu_info['usable_cores']} on the CPU, "
       f"{gpu['resident']:,} on the GPU")
 
 # %% [markdown]
-# A CPU lane runs at a higher clock, and a CPU core may start several SIMD
-# instructions per cycle, so lanes are not the whole story. The count shows
-# the design: a GPU needs vastly more independent work to keep busy, and a
-# problem of a few thousand elements leaves most of it idle (Chapter 2).
+# A CPU lane runs at a higher clock, so lanes are not the whole story; the
+# count shows the design: a GPU needs far more independent work to keep busy
+# (Chapter 2 measures where the CPU wins).
 #
 # ### From graphics shaders to CUDA
 #
 # Before CUDA, general-purpose computing on GPUs (GPGPU) went through the
 # graphics pipeline: data packed into textures, the computation written as a
-# fragment shader (in GLSL, say), results read back as pixels. NVIDIA's
-# **CUDA** (2007) exposed the same hardware as a parallel processor programmed
-# in an extension of C; **OpenCL** (2008) and the **compute shaders** of
-# Direct3D 11 and OpenGL 4.3 followed with the same model: kernels over a grid
-# of threads. Today kernels are written in CUDA C++ (compiled by `nvcc`), or
-# from Python with numba's `@cuda.jit` (this chapter) or Triton, the language
-# `torch.compile` generates. PyTorch's own operators are C++/CUDA kernels in
-# ATen (elementwise ones in files such as
-# `aten/src/ATen/native/cuda/AbsKernel.cu`); matrix multiplies and
-# convolutions go to NVIDIA's cuBLAS and cuDNN.
+# fragment shader (GLSL), results read back as pixels. **CUDA** (2007) exposed
+# the hardware as a parallel processor programmed in an extension of C;
+# **OpenCL** (2008) and the **compute shaders** of Direct3D 11 and OpenGL 4.3
+# followed with the same model: kernels over a grid of threads. Today kernels
+# are written in CUDA C++ (`nvcc`), or from Python with numba (this chapter) or
+# Triton, which `torch.compile` generates. PyTorch's operators are C++/CUDA
+# kernels in ATen (e.g. `aten/src/ATen/native/cuda/AbsKernel.cu`); matmuls and
+# convolutions go to cuBLAS and cuDNN.
 #
 # ### Kernels, and copies in and out
 #
 # The **host** is the CPU with its RAM; it runs your Python. The **device** is
-# the GPU with its own memory (HBM on data-centre GPUs). A kernel reads and
-# writes device memory. (Mapped pinned host memory, "zero-copy", crosses the
-# bus on every access, and *managed* memory migrates pages on first touch:
-# neither makes the bus faster.) So the usual pattern is: **copy the inputs
-# in**, **launch** the kernel, **copy the results out**. A launch names its
+# the GPU with its own memory (HBM on data-centre GPUs), which kernels read and
+# write. (Zero-copy host memory crosses the bus on every access; managed memory
+# migrates pages on first touch: neither makes the bus faster.) So: **copy the
+# inputs in**, **launch** the kernel, **copy the results out**. A launch names its
 # shape in brackets, `kernel[blocks, threads_per_block](args)`, and each
 # thread asks `cuda.grid(1)` for its global index,
 # `blockIdx.x * blockDim.x + threadIdx.x`.
@@ -174,11 +170,10 @@ print(out_dev.copy_to_host())                   # 3. copy out
 print("host array:", type(x_host).__name__, "| device array:", type(x_dev).__name__)
 
 # %% [markdown]
-# On a GPU the device array lives in GPU memory; on the simulator it wraps a
-# NumPy array, so the same code runs. Passing a NumPy array straight to a
-# kernel also works, but numba then copies it in and out around *every*
-# launch; explicit copies keep data on the device between kernels, as PyTorch
-# does with CUDA tensors.
+# On the simulator the device array wraps a NumPy array, so the same code
+# runs. A NumPy array passed straight to a kernel is copied in and out around
+# *every* launch; explicit copies keep data on the device between kernels, as
+# PyTorch does with CUDA tensors.
 #
 # ### One address space, separate allocations
 #
@@ -195,13 +190,11 @@ print("host array:", type(x_host).__name__, "| device array:", type(x_dev).__nam
 #   page faults (compute capability 6.0 and later). Only for memory allocated
 #   as managed.
 # - **PyTorch tensors are not managed memory**: `.to("cuda")` *copies* into a
-#   new allocation at a new address. On the CPU too, `.to()` with something to
-#   convert and `.clone()` copy.
+#   new allocation at a new address.
 # - **CUDA IPC**: another process can map an existing GPU allocation without a
 #   copy; `torch.multiprocessing` uses it to hand CUDA tensors over.
 #
-# `data_ptr()`, the address of a tensor's first element, shows which
-# operations made a new allocation.
+# `data_ptr()` shows which operations made a new allocation.
 
 # %%
 x_cpu = torch.arange(4, dtype=torch.float32)
@@ -414,11 +407,10 @@ print(f"{size}x{size} naive matmul on the {kernel_target()} matches torch")
 # ## 6. Warps and memory coalescing
 #
 # The hardware runs threads in **warps of 32 consecutive threads** that issue
-# each instruction together. NVIDIA calls this **SIMT**, single instruction,
-# multiple threads: you write one thread's program, and the hardware runs 32
-# of them in lockstep, each with its own registers. Two consequences follow:
-# how the 32 addresses of a load fall in memory (this section), and what a
-# branch that splits them costs (section 7).
+# each instruction together: **SIMT**, single instruction, multiple threads.
+# You write one thread's program; the hardware runs 32 in lockstep, each with
+# its own registers. What matters is where a load's 32 addresses fall (this
+# section) and what a branch that splits them costs (section 7).
 #
 # A warp's load is served in **32-byte sectors** (compute capability 6.0 and
 # later; a 128-byte cache line holds four). 32 threads reading 32 consecutive
@@ -515,11 +507,10 @@ print("verdict: " + (f"scattered reads cost {here:.1f}x here" if here >= 1.2 els
 kernels.plot_gather(shown, n_bw)
 
 # %% [markdown]
-# The right-hand bars are the lesson. The GPU prediction applies the sector
-# counts: a scattered gather moves 44 bytes per 16 used, about 2.75x slower -
-# not 8x, because the index and the output stay coalesced whatever the
-# pattern. This CPU has 64-byte lines and a prefetcher that follows strides
-# but not random addresses, so its gap can be larger or smaller.
+# The right-hand bars are the lesson: a scattered gather moves 44 bytes per 16
+# used on a GPU, about 2.75x slower - not 8x, as the index and the output stay
+# coalesced. This CPU's 64-byte lines and stride prefetcher make its gap larger
+# or smaller.
 #
 # ## 7. Divergence: when threads of a warp disagree
 #
@@ -687,9 +678,8 @@ _ = reference.show(
         ["a100.sm_count", "a100.boost_clock_mhz"])])
 
 # %% [markdown]
-# Each step outwards costs an order of magnitude or more of bandwidth. That is
-# why training keeps its tensors on the GPU, and why fast kernels reuse data
-# in shared memory (the tiled matmul below).
+# Each step outwards costs an order of magnitude or more of bandwidth: keep
+# tensors on the GPU, and reuse data in shared memory (the tiled matmul below).
 #
 # ### Hiding latency with many loads in flight
 #
@@ -699,11 +689,9 @@ _ = reference.show(
 # many warps in flight.
 #
 # A CPU core does the same on a smaller scale: its out-of-order engine keeps
-# several cache misses outstanding when the program offers independent loads.
-# The cell follows pointers through a random cycle in a 64 MiB table (beyond
-# the caches): one chain keeps one load in flight, k independent chains up to
-# k. It is compiled with numba's CPU compiler (`@njit`), so no interpreter
-# stands between the loads.
+# several cache misses outstanding. The cell follows pointers through a random
+# cycle in a 64 MiB table, compiled with numba's `@njit`: one chain keeps one
+# load in flight, k independent chains up to k.
 
 # %%
 @njit
@@ -760,12 +748,11 @@ kernels.plot_loads_in_flight(chains, loads_per_s,
 del next_index, cycle
 
 # %% [markdown]
-# The hierarchy shows in a measurement on either device: copy a buffer of
-# growing size. While source and copy fit in a cache, copies are fast; once
-# they spill to RAM or HBM, bandwidth drops to what that memory delivers. Look
-# for the step down on the right. On a GPU the smallest copies are also held
-# back by the launch cost, so its curve first rises. On a CPU the copy runs on
-# one thread (one core's caches), each point the fastest of several runs.
+# The hierarchy shows on either device when you copy a buffer of growing size:
+# fast while source and copy fit in a cache, then down to what RAM or HBM
+# delivers. Look for the step down on the right (on a GPU the smallest copies
+# are held back by the launch cost, so its curve first rises). The CPU copy
+# runs on one thread: one core's caches.
 
 # %%
 def copy_bandwidth(n_bytes, on=device):
@@ -908,11 +895,10 @@ print(f"the tiled kernel issues {naive_trace.requests / tiled_trace.requests:.1f
       f" fewer sectors (TILE = {TILE})")
 
 # %% [markdown]
-# The naive kernel issues one request per k for A and one for B, the tiled one
-# per *tile* of k, so about TILE times fewer. The naive kernel's A loads are
-# cheap (a warp covers two rows of C, so they touch 2 sectors), which is why
-# the sector saving is smaller than the request saving; on a GPU the caches
-# catch part of the naive kernel's repeats too. On a GPU the next cell times
+# The tiled kernel issues a request per *tile* of k instead of per k, about
+# TILE times fewer; the sector saving is smaller, as the naive kernel's A loads
+# touch only 2 sectors (a warp covers two rows of C), and on a GPU caches catch
+# part of its repeats. On a GPU the next cell times
 # both kernels and cuBLAS (`torch.matmul`); everywhere it shows the roofline
 # floor for an H100 (no fp32 kernel beats the FP32 peak).
 
@@ -930,16 +916,13 @@ for f in reference.show("01.matmul_2048_ms", unit="ms", local_device=device,
 # %% [markdown]
 # ### Occupancy: how many warps fit on an SM
 #
-# Latency hiding needs warps *resident* on the SM, and how many fit is set by
-# whichever runs out first: the SM's limit on resident warps; **registers**
-# (the register file is shared by all resident threads, so R registers per
-# thread fit at most registers-per-SM / R threads); **shared memory** (a block
-# declaring S bytes fits at most shared-per-SM / S times). A block is resident
-# whole or not at all. **Occupancy** is resident warps over the limit. The
-# cell computes it from the H100's published figures (real allocation also
-# rounds to granules and caps blocks per SM: Nsight Compute's occupancy
-# calculator has every rule). With numba's GPU target it also asks the
-# compiler for the tiled matmul's registers.
+# Latency hiding needs warps *resident* on the SM. How many fit is set by
+# whichever runs out first: the SM's warp limit; **registers** (R per thread
+# fit registers-per-SM / R threads); **shared memory** (S bytes per block fit
+# shared-per-SM / S blocks). Blocks are resident whole. **Occupancy** is
+# resident warps over the limit, computed here from the H100's published
+# figures (real allocation also rounds to granules: see Nsight Compute's
+# occupancy calculator).
 
 # %%
 h100 = {k: reference.published(f"h100_sxm.{k}") for k in (
@@ -1025,12 +1008,11 @@ if ghz:
 # interpreter. Less than one cycle per element means several elements per
 # instruction: SIMD.
 #
-# **Claim** (seed): an SSE version of the add (4 floats per instruction) is
-# only 18-24% faster than a plain C loop. **Why:** an optimising compiler
-# already turns the plain loop into SIMD code (GCC at `-O3`, clang at `-O2`),
-# and vectors of 10^5 to 5 x 10^7 floats live mostly in RAM, where the add
-# waits for memory, not arithmetic. **Measured here:** numpy's add per element
-# on vectors in L2 (above) and far beyond the caches. (The seed's SSE loop
+# **Claim** (seed): an SSE add (4 floats per instruction) is only 18-24%
+# faster than a plain C loop. **Why:** compilers already vectorise the plain
+# loop (GCC at `-O3`, clang at `-O2`), and vectors of 10^5 to 5 x 10^7 floats
+# live in RAM, where the add waits for memory. **Measured here:** numpy's add
+# per element in L2 (above) and far beyond the caches. (The seed's SSE loop
 # also steps by 4 with no tail: for n not a multiple of 4 it runs past the
 # arrays, the CPU cousin of a kernel without its bounds guard.)
 
@@ -1049,11 +1031,9 @@ print("verdict: " + ("out of the caches the add waits for memory, as the seed's 
 del xr, yr, out_ram
 
 # %% [markdown]
-# A GPU takes the idea further. A warp is 32 lanes running one instruction,
-# like a SIMD unit, but the program is written for one thread and each lane may
-# branch (at the cost of divergence): SIMT. SIMD is visible in the code
-# (vector types, intrinsics, or a vectorising compiler); SIMT is the
-# hardware's business.
+# A warp is 32 lanes running one instruction, like a SIMD unit, but the
+# program is written for one thread and each lane may branch (at the cost of
+# divergence): SIMD is visible in the code, SIMT is the hardware's business.
 #
 # ## 10. Amdahl's law
 #
@@ -1121,10 +1101,9 @@ else:
     print("this platform has no 'fork' start method; run the chapter on Linux to measure")
 
 # %% [markdown]
-# On an idle machine the point lies close to the prediction and a little
-# below: handing work to the pool is more serial work. When other programs use
-# the cores it falls further, and the verdict says so. Amdahl's law assumes
-# perfect splitting, no overhead and idle processors: it is an upper bound.
+# On an idle machine the point lies a little below the prediction (handing
+# work to the pool is more serial work); a busy machine pushes it further down,
+# and the verdict says so. Amdahl's law is an upper bound.
 #
 # ## 11. The same kernel in CUDA C, through pycuda
 #
@@ -1154,9 +1133,8 @@ print(VECTOR_ADD_CUDA_C)
 #
 # ## Summary
 #
-# - A CPU spends its chip on a few strong cores, a GPU on many simple lanes and
-#   many resident warps. A "CUDA core" is one lane; the SM is the GPU's
-#   counterpart of a CPU core.
+# - A GPU spends its chip on many simple lanes and resident warps. A "CUDA
+#   core" is one lane; the SM is the counterpart of a CPU core.
 # - The host launches kernels on the device, which has its own memory: copy
 #   in, launch, copy out (or keep data on the device). One virtual address
 #   space does not make `.to("cuda")` stop copying; only managed memory keeps
@@ -1171,20 +1149,17 @@ print(VECTOR_ADD_CUDA_C)
 #   when it splits a warp.
 # - Bandwidth needs many loads in flight; occupancy is capped by the warp
 #   limit, registers or shared memory, whichever runs out first.
-# - Registers, shared memory, L2 and HBM trade size for speed, and links off
-#   the GPU are slower still; a tiled kernel reuses data in shared memory, as
-#   FlashAttention does, whose "CPU DRAM" figure is one DDR3 module.
-# - SIMD and warps are the same idea at different scales; Amdahl's law caps any
-#   speed-up by the serial fraction.
+# - Registers, shared memory, L2 and HBM trade size for speed; links off the
+#   GPU are slower still. A tiled kernel reuses data in shared memory.
+# - SIMD and warps are one idea at two scales; Amdahl's law caps any speed-up
+#   by the serial fraction.
 #
 # ## Exercises
 #
-# Each exercise is a kernel. The check runs it on a simulator of its own that
-# takes a block's threads one at a time, from barrier to barrier: it names any
-# index outside an array, any race on shared memory and any barrier some
-# threads skip, and it records every global access, so it counts the sectors
-# of each warp request with the tracer of section 6. With numba's GPU target
-# the kernel also runs for real.
+# Each exercise is a kernel. The check runs it on its own simulator, a block's
+# threads one at a time from barrier to barrier: it names indices outside an
+# array, races on shared memory and barriers some threads skip, and counts
+# each warp request's sectors as in section 6. On a GPU the kernel also runs.
 #
 # **Exercise 1.1 - a grid-stride loop.** Write `axpy(a, x, y, out)`, which
 # sets `out[i] = a * x[i] + y[i]` for every i of the 1-D arrays, correctly for
@@ -1192,11 +1167,10 @@ print(VECTOR_ADD_CUDA_C)
 # several) or with more (some handle none). Use a grid-stride loop (section
 # 8): start at the thread's global index and step by the number of threads in
 # the whole grid, so that in every step the threads of a warp touch
-# neighbouring elements (coalesced). The check launches grids of 1 to 4 blocks
-# of 32 and 64 threads over 1 to 1000 elements, float32 and float64 data of
-# mixed magnitudes (compute in the arrays' own type), and wants each element
-# written once, `x` and `y` unchanged, and no more sectors per warp request
-# than a coalesced loop's.
+# neighbouring elements (coalesced). The check launches 1 to 4 blocks of 32 or
+# 64 threads over 1 to 1000 float32 and float64 elements (compute in the
+# arrays' own type), and wants each element written once, `x` and `y` kept,
+# and coalesced requests.
 
 # %% tags=["exercise"] exercise="1.1"
 @cuda.jit
@@ -1214,10 +1188,9 @@ from course_utils.checks.ch01 import check_axpy
 check_axpy(axpy)
 
 # %% [markdown]
-# **Exercise 1.2 - a block sum in shared memory.** Summing an array is inside
-# most kernels (a loss, a norm, a softmax's denominator), and a GPU does it in
-# two levels: each block sums its piece in shared memory, and a much smaller
-# pass adds up the blocks' results. Write the first level: `block_sum(x, out)`
+# **Exercise 1.2 - a block sum in shared memory.** A GPU sums an array in two
+# levels: each block sums its piece in shared memory, then a small pass adds
+# the blocks' results. Write the first level: `block_sum(x, out)`
 # is launched with `(n + THREADS - 1) // THREADS` blocks of `THREADS` threads
 # over a float32 array `x` of n elements, and stores in `out[b]` the sum of
 # block b's THREADS elements (elements past the end count as 0). Sum as a
@@ -1281,12 +1254,10 @@ check_block_sum(block_sum)
 #    writing neighbouring columns - so thread (tx, ty) writes the element
 #    another thread loaded.
 #
-# Guard both steps for matrices whose sides are not multiples of TILE, and
-# let every thread reach the barrier. The check uses TILE = 8 and 16 (it sets
-# `TILE` for each launch), square and rectangular matrices, float32 and
-# float64 data (a `float64` tile holds both exactly), and wants every element
-# right, no races, and no more sectors per warp request, reading or writing,
-# than a tiled transpose's.
+# Guard both steps (sides need not be multiples of TILE) and let every thread
+# reach the barrier. The check sets TILE to 8 and 16, uses square and
+# rectangular float32 and float64 matrices (a `float64` tile holds both
+# exactly), and counts the sectors of every read and write request.
 
 # %% tags=["exercise"] exercise="1.3"
 @cuda.jit
@@ -1321,7 +1292,6 @@ check_transpose(transpose)
 # | streaming multiprocessor (SM) | 流式多处理器 |
 # | CUDA core (FP32 lane) | CUDA 核心（FP32 运算单元） |
 # | SIMD lane | SIMD 通道 |
-# | shader / GPGPU | 着色器 / GPU 通用计算 |
 # | unified virtual addressing (UVA) | 统一虚拟寻址 |
 # | managed (unified) memory | 统一内存（托管内存） |
 # | coalesced access | 合并访存 |
@@ -1335,7 +1305,7 @@ check_transpose(transpose)
 # | transpose | 转置 |
 # | SIMT (single instruction, multiple threads) | 单指令多线程 |
 # | occupancy | 占用率 |
-# | latency hiding / loads in flight | 延迟隐藏 / 在途访存 |
+# | latency hiding | 延迟隐藏 |
 # | reduction | 归约 |
 # | race condition | 竞争条件（数据竞争） |
 # | barrier (`syncthreads`) | 屏障同步 |

@@ -834,7 +834,9 @@ def _run_axpy_on_gpu(ex, axpy) -> str:
         out = cuda.device_array_like(x)
         call_learner(ex, axpy[40, 128], a, cuda.to_device(x), cuda.to_device(y), out)
         cuda.synchronize()
-        if not np.allclose(out.copy_to_host(), a * x + y, rtol=1e-5):
+        scale = np.abs(a * x.astype(np.float64)) + np.abs(y)
+        if not (np.abs(out.copy_to_host() - (a * x.astype(np.float64) + y))
+                <= 8 * np.finfo(dtype).eps * scale).all():  # a fused multiply-add
             fail(ex, f"the same values on the GPU ({np.dtype(dtype).name})",
                  "different values", "the simulator passed it; check the types")
     return "It also ran on the GPU."
