@@ -544,14 +544,12 @@ for name, seconds in timings.items():
 # carried: the figure to compare with a link's speed (nccl-tests reports
 # both). With two ranks the factor is 1; with 8 GPUs, 1.75.
 #
-# Small messages are dominated by a fixed latency per call, large ones
-# approach the link's bandwidth: on the plot, a flat start is latency-bound, a
-# slope of one bandwidth-bound. (On a CPU the largest messages may lose
-# bandwidth again once they leave the caches.) The ranks first meet at a
-# barrier; each then times a burst of all_reduces, as nccl-tests does. An
-# operating-system pause of one rank makes the other wait, so the table gives
-# the **fastest** burst (what ranks and links can do) beside the **median**
-# (what you typically get here).
+# A fixed latency per call dominates small messages; large ones approach the
+# link's bandwidth (on the plot: a flat start, then a slope of one). The ranks
+# meet at a barrier, then each times a burst of all_reduces, as nccl-tests
+# does. A pause of one rank makes the other wait, so the table gives the
+# **fastest** burst (what ranks and links can do) beside the **median** (what
+# you typically get here).
 
 # %%
 REPEATS = 9
@@ -617,6 +615,7 @@ def stores(rank, world_size, port, path):
     dist.destroy_process_group()
 
 
+(WORK / "filestore").unlink(missing_ok=True)  # a fresh store on every run
 _ = launch(stores, nprocs=2, args=(free_port(), WORK / "filestore"), init=False,
            backend="gloo")  # the group below is gloo's, on every machine
 hashes = dist.HashStore()  # in this process only
@@ -708,12 +707,10 @@ print("local losses", [v[0] for v in values], "- logged mean on every rank",
 # lets a restarted job take in nodes that replace failed ones.
 #
 # `torchrun` is a thin command line over
-# `torch.distributed.launcher.api.elastic_launch`: it builds a `LaunchConfig`
-# and runs the *agent*, which joins the rendezvous and starts and watches the
-# workers. Below, each of two "nodes" is a forked process running that very
-# agent and rendezvous code, with forked workers instead of fresh interpreters
-# that import torch (section 2 showed that cost). Each node's command line is
-# printed first.
+# `torch.distributed.launcher.api.elastic_launch`, which runs the *agent*: it
+# joins the rendezvous, then starts and watches the workers. Below, each of two
+# "nodes" is a forked process running that very agent code, with forked
+# workers instead of fresh interpreters (section 2 showed their cost).
 
 # %%
 def run_path(path):
