@@ -411,10 +411,11 @@ table(results, reference_run)
 #   right weights - but each replica then stepped on its own half-batch
 #   gradient.
 # - **state KiB**, one number per rank: parameters, gradients and Adam
-#   state held by that rank. FSDP2 divides them by 4; FSDP2 x TP also by 4
-#   but not evenly (the norms are sharded over `dp` only, replicated over
-#   `tp`); a pipeline stage holds its half of the model, halved again by FSDP
-#   over `dp`. The two stages differ: the embedding lives on one, the output
+#   state held by that rank. FSDP2 divides them by 4; FSDP2 x TP holds a
+#   little more than a quarter (what TP does not split - norms, biases of
+#   the row-parallel layers, the embedding and output layer - is sharded
+#   over `dp` only and repeated on both `tp` ranks); a pipeline stage holds
+#   its half of the model, halved again by FSDP over `dp`. The two stages differ: the embedding lives on one, the output
 #   layer on the other.
 # - **saved KiB**: the largest peak of activations kept for backward on any
 #   rank. Data parallelism divides the batch; tensor parallelism divides
@@ -546,12 +547,14 @@ flops = 2048 * 8192 * 6 * planner.LLAMA3_405B.params()
 print(f"{lay}: {flops / t.value / lay.gpus / 1e12:.0f} TFLOP/s per GPU [{t.label}]")
 paper = reference.published("llama3_2024.tflops_per_gpu_16384_gpus")
 print(f"{paper.value} {paper.unit} per GPU [{paper.label}]")
+print(f"predicted / published: {flops / t.value / lay.gpus / 1e12 / paper.value:.2f}")
 mem = planner.memory_per_gpu(planner.LLAMA3_405B, lay, 8192, 2048)
 print(f"predicted memory without recomputation: {mem['total'] / 1e9:.0f} GB per GPU")
 
 # %% [markdown]
-# The time model lands near the paper's throughput, from datasheets and one
-# calibration, not from the run itself. The memory model says this layout
+# Look at the ratio: the time model, built from datasheets and one
+# calibration and not from this run, lands in the paper's range (it
+# overlaps no communication, and real runs hide much of it). The memory model says this layout
 # needs more than an 80 GB GPU if every activation is kept in bf16; the
 # paper's table does not list its memory-saving settings, so read the
 # memory as what the layout would need without them.
@@ -587,9 +590,8 @@ print("2 layers on 8 fake ranks, recomputed now: "
 # exist yet and most gradients are not made - a first step's peak, not a
 # steady one. The planner counts the steady state, with the optimizer
 # state alive. And the fake run holds a little more for gathered
-# parameters (the embedding and output layer too) plus all-gather,
-# reduce-scatter and temporary buffers that the planner leaves out - the
-# reason it asks for 10 % headroom.
+# parameters, plus all-gather, reduce-scatter and temporary buffers that
+# the planner leaves out - the reason it asks for 10 % headroom.
 #
 # **On GPUs.** With four GPUs the launches above run over `nccl`, one GPU
 # per rank, and print the same counts and bytes: the layout decides them,

@@ -217,7 +217,7 @@ WRONG_STAGE = {
     wrong_swapped_mesh: "adjacent", wrong_fixed_tp: "pipeline stages",
     wrong_ignores_tp: "pipeline stages", wrong_no_tp: "sharded",
     wrong_all_blocks: "exactly one stage", wrong_one_block_each: "exactly one stage",
-    wrong_overlap: "exactly one stage", wrong_float32: "equal to one process",
+    wrong_overlap: "exactly one stage", wrong_float32: "dtype",
     wrong_cached_mesh: "pipeline stages", wrong_fresh_model: "one process",
     wrong_two_stages: "pipeline stages",
 }
