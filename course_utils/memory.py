@@ -295,6 +295,56 @@ LLAMA2_2_LAYERS_FSDP2: dict[int, dict[str, int]] = {
 }
 
 
+# --- live bytes: a light counter for one process (Chapter 8) ------------------
+
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the tensor storages created while active that are still alive.
+
+    ``current`` and ``peak`` (both above the start) count each storage an
+    operation returns once, from its creation until Python frees it (a weak
+    reference tells), so the count is exact and the same on every run. What
+    existed before (views of it included), and memory made outside PyTorch's
+    operators (a file read by ``torch.load``), is not counted. Lighter than
+    ``MemTracker`` (no categories, no module hooks), for checks that run many
+    small steps.
+    Dispatch modes are per thread: enter it in the thread that runs the work.
+
+    >>> with LiveBytes() as live:
+    ...     y = torch.ones(256) * 2
+    >>> live.current, live.peak
+    (1024, 2048)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._alive: dict = {}
+
+    def _freed(self, key, _ref) -> None:
+        self.current -= self._alive.pop(key, (0, None))[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        # a view or an in-place result shares an input's storage: not new memory
+        inputs = {t.untyped_storage().data_ptr() for t in
+                  torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self._alive and key not in inputs and storage.nbytes():
+                    ref = weakref.ref(storage, lambda r, k=key: self._freed(k, r))
+                    self._alive[key] = (storage.nbytes(), ref)
+                    self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
 def main() -> None:
     """Recompute ``LLAMA2_7B_FSDP2`` and print it as Python."""
     import pprint

@@ -37,6 +37,7 @@
 
 # %%
 import copy
+import inspect
 import os
 import tempfile
 import time
@@ -54,7 +55,8 @@ from course_utils.bench import format_seconds
 from course_utils.build import ROOT
 from course_utils.checks.ch08 import (
     check_cheapest_format,
-    check_saved_bytes,
+    check_offloaded,
+    check_recompute,
     check_scaled_step,
 )
 from course_utils.compare import compare
@@ -586,21 +588,28 @@ print(f"  one {h100_mem.device} holds {h100_mem.value} GB [{h100_mem.label}]")
 # %% [markdown]
 # (Mixed precision keeps an fp16/bf16 copy of the weights *beside* the fp32
 # master weights, so it saves activation memory and time, not parameter
-# memory.) Does the smallest line fit one 80 GB GPU? Memory chips come in
-# binary sizes, so 80 GB of HBM are 80 GiB (80 x 2^30 bytes), of which the
-# driver keeps a little; a GPU reports what it can use. What is left must
-# still hold the activations, the CUDA context and the allocator's cache:
+# memory.) Does the smallest line fit one "80 GB" GPU? Keep the units
+# apart: a GB is 10^9 bytes, a GiB 2^30 bytes (7 % more), and the answer
+# turns on which one the datasheet's 80 means. The bytes a card really
+# offers are what `torch.cuda.get_device_properties(i).total_memory` reports
+# (the driver keeps a little). The cell prints both readings, and with a GPU
+# its own.
+# What is left must still hold the activations, the CUDA context and the
+# allocator's cache:
 
 # %%
 smallest = n_params * (2 + 2 + 8)
-usable = (torch.cuda.get_device_properties(gpu).total_memory if gpu
-          else h100_mem.value * 2**30)
-print(f"bf16 weights and gradients, fp32 Adam: {smallest / 1e9:.1f} GB = "
-      f"{smallest / 2**30:.1f} GiB, against "
-      + (f"this GPU's {usable / 2**30:.1f} GiB (total_memory)" if gpu else
-         f"an H100's {h100_mem.value} GiB of HBM, less the driver's share")
-      + (f": it fits, leaving {(usable - smallest) / 2**30:.1f} GiB for everything "
-         "else" if smallest < usable else ": it does not fit"))
+print(f"bf16 weights and gradients, fp32 Adam: {smallest:.4g} bytes = "
+      f"{smallest / 1e9:.1f} GB = {smallest / 2**30:.1f} GiB")
+capacities = {f"{h100_mem.value} GB, read as 10^9 bytes": h100_mem.value * 1e9,
+              f"{h100_mem.value} GiB (2^30 bytes)": h100_mem.value * 2**30}
+if gpu:
+    capacities["this GPU's total_memory"] = torch.cuda.get_device_properties(
+        gpu).total_memory
+for label, cap in capacities.items():
+    left = (cap - smallest) / 2**30
+    print(f"  against {label} = {cap:.4g} bytes: " + (
+        f"fits, {left:.1f} GiB left" if left > 0 else f"{-left:.1f} GiB short"))
 
 # %% [markdown]
 # ## 6. Activation checkpointing
@@ -674,13 +683,16 @@ print(f"verdict: every 4 blocks saves {s0 / s4:.0f}x less in the forward, but th
 # %% [markdown]
 # `torch.autograd.graph.save_on_cpu()` is the other trade: keep the saved
 # tensors, but in CPU memory until the backward pass needs them. By default
-# that memory is ordinary pageable memory (`pin_memory=False` in torch 2.13's
-# `torch/autograd/graph.py`), so each copy blocks; `pin_memory=True` pins it
-# and makes the copies asynchronous. On a CPU the tensors are already there:
+# that memory is ordinary pageable memory (`pin_memory=False`: the cell
+# prints the signature), so each copy blocks; `pin_memory=True` pins it and
+# makes the copies asynchronous. On a CPU the tensors are already there:
 # `tensor.cpu()` returns the tensor itself, and nothing changes. With a GPU,
 # the cell measures the peak that moving them out saves, and its time:
 
 # %%
+print(f"save_on_cpu{inspect.signature(torch.autograd.graph.save_on_cpu)}")
+
+
 def saved_on_cpu(forward, pin):
     def run(x):
         with torch.autograd.graph.save_on_cpu(pin_memory=pin):
@@ -737,10 +749,6 @@ swapped = copy.deepcopy(full)
 data = [(torch.randn(16, 64), torch.randn(16, 64)) for _ in range(5)]
 opt_a = torch.optim.SGD(full.parameters(), lr=0.05)
 opt_b = torch.optim.SGD(swapped.parameters(), lr=0.05)
-tier_dir = tempfile.TemporaryDirectory(prefix="ch08_")  # removed below
-tier = os.path.join(tier_dir.name, "half.pt")
-
-
 def offload(module):
     """Write the module's tensors to the slow tier and free them here."""
     torch.save(module.state_dict(), tier + ".tmp")
@@ -772,17 +780,19 @@ def swapping_step(x_, y_):
     offload(second_half)
 
 
-for x_, y_ in data:
-    resident_step(x_, y_)
-    swapping_step(x_, y_)
-bring_back(second_half, torch.load(tier, weights_only=True))
-same = all(torch.equal(p, q) for p, q in zip(full.parameters(), swapped.parameters(),
-                                             strict=True))
-print(f"weights equal to the resident run after {len(data)} steps: {same}")
-print(compare({"resident": lambda: resident_step(*data[0]),
-               "swapping through a file": lambda: swapping_step(*data[0])},
-              repeats=3))
-tier_dir.cleanup()  # nothing is left behind on disk
+with tempfile.TemporaryDirectory(prefix="ch08_") as tier_dir:  # removed on exit
+    tier = os.path.join(tier_dir, "half.pt")
+    for x_, y_ in data:
+        resident_step(x_, y_)
+        swapping_step(x_, y_)
+    bring_back(second_half, torch.load(tier, weights_only=True))
+    same = all(torch.equal(p, q) for p, q in zip(full.parameters(),
+                                                 swapped.parameters(), strict=True))
+    print(f"weights equal to the resident run after {len(data)} steps: {same}")
+    print(compare({"resident": lambda: resident_step(*data[0]),
+                   "swapping through a file": lambda: swapping_step(*data[0])},
+                  repeats=3))
+print(f"the tier's folder is left on disk after the block: {os.path.exists(tier_dir)}")
 if gpu:  # the seed's swap for real, with the GPU's own counter
     mse = nn.functional.mse_loss
 
@@ -896,8 +906,9 @@ for n_params_half in (half_bytes / 4, 3.5e9):
 # Write `scaled_step(model, optimizer, scaler, x, y, max_norm)`: one step of
 # MSE training with the `GradScaler` `scaler`, clipping the gradient norm to
 # `max_norm` (`torch.nn.utils.clip_grad_norm_`). The clip must see the true
-# gradients; a step whose gradients overflow must change nothing but the
-# scale.
+# gradients; a step whose gradients are not finite (inf or nan) must change
+# nothing but the scale. The checker calls it many times with the same
+# scaler, on float32 and float64 models, with inputs from 1e-3 to 1e3.
 
 # %% tags=["exercise"] exercise="8.1"
 def scaled_step(model, optimizer, scaler, x, y, max_norm):
@@ -916,42 +927,91 @@ def scaled_step(model, optimizer, scaler, x, y, max_norm):
 check_scaled_step(scaled_step)
 
 # %% [markdown]
-# ### Exercise 8.2: what the forward pass keeps
+# ### Exercise 8.2: recomputation by hand
 #
-# Write `saved_bytes(model, x)`: the number of bytes autograd **packs** for
-# the backward pass while `model(x)` runs - every tensor the pack hook
-# receives, counted each time it is packed, parameters included. (That is
-# the traffic through the hook; section 5's count, what stays held, keeps
-# each storage once and leaves the parameters out.)
+# Write `recompute(segment, x)`: it returns `segment(x)`, but autograd keeps
+# only `x` for the backward pass, nothing the segment computes inside; the
+# backward runs the segment again and passes the gradients to `x` and to the
+# segment's parameters. Build it with a `torch.autograd.Function` (forward
+# under `torch.no_grad()`, backward under `torch.enable_grad()`), not with
+# `torch.utils.checkpoint`. Segments hold `Dropout`: the recomputation must
+# draw the same masks. The checker chains your function over blocks and
+# measures what the forward leaves held and the step's peak with
+# `course_utils.memory.LiveBytes`, a light cousin of `MemTracker`, and counts
+# how often each block runs.
 
 # %% tags=["exercise"] exercise="8.2"
-def saved_bytes(model, x):
+def recompute(segment, x):
     ### BEGIN SOLUTION
-    total = 0
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *params):
+            ctx.rng = torch.get_rng_state()  # the forward's dropout masks
+            ctx.save_for_backward(x)
+            with torch.no_grad():
+                return segment(x)
 
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
+        @staticmethod
+        def backward(ctx, grad_out):
+            (x,) = ctx.saved_tensors
+            now = torch.get_rng_state()
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                x_ = x.detach().requires_grad_()
+                out = segment(x_)
+            torch.set_rng_state(now)
+            return torch.autograd.grad(out, (x_, *segment.parameters()), grad_out)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return total
+    return Recompute.apply(x, *segment.parameters())
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="8.2"
-check_saved_bytes(saved_bytes)
+check_recompute(recompute)
 
 # %% [markdown]
-# ### Exercise 8.3: the cheapest format that will do
+# ### Exercise 8.3: saved tensors offloaded to disk
+#
+# Write `offloaded(fn, x, folder)`: it returns `fn(x)`, and every tensor
+# autograd saves for the backward pass goes to a file in `folder` instead of
+# staying in memory; when the backward needs it, it is read back (same
+# dtype and values) and its file deleted. Use
+# `torch.autograd.graph.saved_tensors_hooks`. The checker runs two forwards
+# before one backward (both graphs alive at once), in float32, float64 and
+# bfloat16, and checks what stays in memory, what lies on disk, that the
+# folder is empty afterwards, and the gradients.
+
+# %% tags=["exercise"] exercise="8.3"
+def offloaded(fn, x, folder):
+    ### BEGIN SOLUTION
+    def pack(t):
+        fd, path = tempfile.mkstemp(suffix=".pt", dir=folder)  # a unique name
+        os.close(fd)
+        torch.save(t, path)
+        return path  # all that stays in memory
+
+    def unpack(path):
+        t = torch.load(path, weights_only=True)
+        os.remove(path)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+    ### END SOLUTION
+
+
+# %% tags=["check"] exercise="8.3"
+check_offloaded(offloaded)
+
+# %% [markdown]
+# ### Exercise 8.4: the cheapest format that will do
 #
 # Write `cheapest_format(values, rel_error)`: the first of `"float16"`,
 # `"bfloat16"`, `"float32"` that stores every value of the tensor `values`
 # finite and within relative error `rel_error` (return `"float64"` if none
 # does).
 
-# %% tags=["exercise"] exercise="8.3"
+# %% tags=["exercise"] exercise="8.4"
 def cheapest_format(values, rel_error):
     ### BEGIN SOLUTION
     exact = values.double()
@@ -964,7 +1024,7 @@ def cheapest_format(values, rel_error):
     ### END SOLUTION
 
 
-# %% tags=["check"] exercise="8.3"
+# %% tags=["check"] exercise="8.4"
 check_cheapest_format(cheapest_format)
 
 # %% [markdown]

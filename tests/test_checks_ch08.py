@@ -1,9 +1,19 @@
 """Chapter 8's checkers: right answers written differently pass, wrong ones fail
 with a message that names the mistake."""
 
+import glob
+import itertools
+import os
+import pathlib
+import tempfile
+import uuid
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as clip
+from torch.utils.checkpoint import checkpoint
 
 from course_utils.checks import ch08
 from course_utils.exercises import ExerciseFailed
@@ -19,18 +29,19 @@ def fails(check, fn, *words):
 # ---------------------------------------------------------------- 8.1
 
 
-def step_plain(model, optimizer, scaler, x, y, max_norm):
-    optimizer.zero_grad()
-    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+def step_alias(model, optimizer, scaler, x, y, max_norm):
+    optimizer.zero_grad(set_to_none=False)
+    loss = torch.nn.functional.mse_loss(model(x), y, reduction="mean")
+    scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    clip(model.parameters(), max_norm=max_norm)
     scaler.step(optimizer)
     scaler.update()
 
 
 def step_autocast(model, optimizer, scaler, x, y, max_norm):
     optimizer.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.float32, enabled=False):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
         loss = ((model(x) - y) ** 2).mean()
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -54,13 +65,34 @@ def step_clip_by_hand(model, optimizer, scaler, x, y, max_norm):
     scaler.update()
 
 
-class Trainer:  # a class, called like a function
+class Trainer:  # a class, called like a function, that logs as it goes
+    def __init__(self):
+        self.log = []
+
     def __call__(self, model, optimizer, scaler, x, y, max_norm):
-        step_plain(model, optimizer, scaler, x, y, max_norm)
+        model.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        self.log.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        scaler.step(optimizer)
+        scaler.update()
 
 
-@pytest.mark.parametrize("fn", [step_plain, step_autocast, step_clip_by_hand,
-                                Trainer()])
+def step_returns_loss(model, optimizer, scaler, x, y, max_norm):
+    optimizer.zero_grad()
+    out = model(x)
+    loss = nn.functional.mse_loss(out, y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=2.0)
+    stepped = scaler.step(optimizer)
+    scaler.update()
+    return loss.item(), stepped
+
+
+@pytest.mark.parametrize("fn", [step_alias, step_autocast, step_clip_by_hand,
+                                Trainer(), step_returns_loss])
 def test_right_scaled_steps_pass(fn):
     ch08.check_scaled_step(fn)
 
@@ -100,20 +132,11 @@ def test_wrong_scaled_steps_fail():
         scaler.step(optimizer)
         scaler.update()
 
-    def clip_value(model, optimizer, scaler, x, y, max_norm):
-        optimizer.zero_grad()
-        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
-        scaler.unscale_(optimizer)
-        nn.utils.clip_grad_value_(model.parameters(), max_norm)
-        scaler.step(optimizer)
-        scaler.update()
-
     def update_twice(model, optimizer, scaler, x, y, max_norm):
-        step_plain(model, optimizer, scaler, x, y, max_norm)
+        step_alias(model, optimizer, scaler, x, y, max_norm)
         scaler.update(scaler.get_scale() * 2)
 
     def forgets_zero_grad(model, optimizer, scaler, x, y, max_norm):
-        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
         scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
         scaler.unscale_(optimizer)
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -124,122 +147,433 @@ def test_wrong_scaled_steps_fail():
         optimizer.zero_grad()
         scaler.scale(((model(x) - y) ** 2).sum()).backward()
         scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(model.parameters(), max_norm * 1000)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
         scaler.update()
 
+    def new_scaler_each_call(model, optimizer, scaler, x, y, max_norm):
+        mine = torch.amp.GradScaler("cpu", init_scale=scaler.get_scale(),
+                                    growth_interval=2)
+        step_alias(model, optimizer, mine, x, y, max_norm)
+
+    def float32_only(model, optimizer, scaler, x, y, max_norm):
+        step_alias(model, optimizer, scaler, x.float(), y.float(), max_norm)
+
+    def skips_on_the_loss(model, optimizer, scaler, x, y, max_norm):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if not torch.isfinite(loss):
+            return  # a skipped step, but the scale stays where it was
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+
+    def update_before_step(model, optimizer, scaler, x, y, max_norm):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.update()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+
+    def inf_check_by_hand(model, optimizer, scaler, x, y, max_norm):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scale = scaler.get_scale()
+        grads = [p.grad for p in model.parameters()]
+        for g in grads:
+            g.div_(scale)
+        if any(torch.isinf(g).any() for g in grads):  # misses nan
+            scaler.update(scale / 2)
+            return
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+
     fails(ch08.check_scaled_step, clip_before_unscale, "BEFORE clipping")
-    fails(ch08.check_scaled_step, no_update, "scale halved")
-    fails(ch08.check_scaled_step, no_scaler, "scaler.step(optimizer) decide")
-    fails(ch08.check_scaled_step, optimizer_step_directly, "no change to the weights")
-    fails(ch08.check_scaled_step, no_clip, "clipped")
-    fails(ch08.check_scaled_step, clip_value, "clipped")
-    fails(ch08.check_scaled_step, update_twice, "scale unchanged")
+    fails(ch08.check_scaled_step, no_update, "at the end of every step")
+    fails(ch08.check_scaled_step, no_scaler, "never changed")
+    fails(ch08.check_scaled_step, optimizer_step_directly, "scaler.step(optimizer)")
+    fails(ch08.check_scaled_step, no_clip, "not clipped")
+    fails(ch08.check_scaled_step, update_twice, "scaler.update() once per step")
     fails(ch08.check_scaled_step, forgets_zero_grad, "zero the old gradients")
-    fails(ch08.check_scaled_step, sum_loss, "clipped gradients (scale")
+    fails(ch08.check_scaled_step, sum_loss, "not the sum")
+    fails(ch08.check_scaled_step, new_scaler_each_call, "made inside your function")
+    fails(ch08.check_scaled_step, float32_only, "float64 here")
+    fails(ch08.check_scaled_step, skips_on_the_loss, "scale")
+    fails(ch08.check_scaled_step, update_before_step, "before scaler.update()")
+    fails(ch08.check_scaled_step, inf_check_by_hand, "never changed")
 
 
 # ---------------------------------------------------------------- 8.2
 
 
-def bytes_hook(model, x):
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.nbytes
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return total
+def recompute_torch(segment, x):  # another API: torch's own, not reentrant
+    return checkpoint(segment, x, use_reentrant=False, preserve_rng_state=True)
 
 
-def bytes_list(model, x):
-    seen = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t,
-                                                  lambda t: t):
-        model(x)
-    return sum(t.numel() * t.element_size() for t in seen)
+class _AccumulateIntoGrad(torch.autograd.Function):
+    """Reentrant style: backward() fills the parameters' .grad itself."""
 
-
-class CountingHooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self):
-        self.bytes = 0
-        super().__init__(self.pack, lambda t: t)
-
-    def pack(self, t):
-        self.bytes += t.numel() * t.element_size()
-        return t
-
-
-def bytes_class(model, x):
-    counter = CountingHooks()
-    with counter:
-        model(x)
-    return counter.bytes
-
-
-def bytes_grad_mode(model, x):
-    with torch.enable_grad():
-        return bytes_hook(model, x)
-
-
-@pytest.mark.parametrize("fn", [bytes_hook, bytes_list, bytes_class, bytes_grad_mode])
-def test_right_saved_bytes_pass(fn):
-    ch08.check_saved_bytes(fn)
-
-
-def test_wrong_saved_bytes_fail():
-    def parameters(model, x):
-        return sum(p.numel() * p.element_size() for p in model.parameters())
-
-    def output(model, x):
-        out = model(x)
-        return out.numel() * out.element_size()
-
-    def elements(model, x):
-        seen = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t,
-                                                      lambda t: t):
-            model(x)
-        return sum(t.numel() for t in seen)
-
-    def no_grad(model, x):
+    @staticmethod
+    def forward(ctx, x, segment, *params):
+        ctx.segment, ctx.state = segment, torch.random.get_rng_state()
+        ctx.save_for_backward(x)
         with torch.no_grad():
-            return bytes_hook(model, x)
+            return segment(x)
 
-    def assumes_float32(model, x):
-        seen = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t,
-                                                      lambda t: t):
-            model(x)
-        return sum(t.numel() * 4 for t in seen)
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.random.fork_rng(devices=[]):
+            torch.random.set_rng_state(ctx.state)
+            with torch.enable_grad():
+                inp = x.detach().requires_grad_(ctx.needs_input_grad[0])
+                torch.autograd.backward(ctx.segment(inp), grad)
+        n = len(ctx.needs_input_grad) - 2
+        return (inp.grad if ctx.needs_input_grad[0] else None, None, *[None] * n)
 
-    def input_only(model, x):
-        return x.numel() * x.element_size()
 
-    def params_plus_output(model, x):
-        return parameters(model, x) + output(model, x)
+def recompute_accumulate(segment, x):
+    return _AccumulateIntoGrad.apply(x, segment, *segment.parameters())
 
-    def counts_twice(model, x):
-        return 2 * bytes_hook(model, x)
 
-    def as_mib(model, x):
-        return bytes_hook(model, x) / 2**20
+class Recomputer:  # a class with __call__, hooks instead of a Function
+    def __call__(self, segment, x):
+        return recompute_hooks(segment, x)
 
-    fails(ch08.check_saved_bytes, parameters, "parameters' size")
-    fails(ch08.check_saved_bytes, output, "output's size")
-    fails(ch08.check_saved_bytes, elements, "not elements")
-    fails(ch08.check_saved_bytes, no_grad, "torch.no_grad()")
-    fails(ch08.check_saved_bytes, assumes_float32, "bf16")
-    fails(ch08.check_saved_bytes, input_only, "input's size")
-    fails(ch08.check_saved_bytes, params_plus_output, "parameters plus output")
-    fails(ch08.check_saved_bytes, counts_twice, "counted twice")
-    fails(ch08.check_saved_bytes, as_mib, "whole number of bytes")
+
+def recompute_hooks(segment, x):
+    """Saved-tensor hooks: pack keeps nothing but a note, unpack recomputes."""
+    state = torch.get_rng_state()
+    cache = {}
+
+    def recompute_all():
+        here = torch.get_rng_state()
+        torch.set_rng_state(state)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t) or len(saved) - 1, lambda i: saved[i]):
+            with torch.enable_grad():
+                segment(x.detach().requires_grad_(x.requires_grad))
+        torch.set_rng_state(here)
+        cache["saved"] = saved
+
+    def unpack(i):
+        if "saved" not in cache:
+            recompute_all()
+        t, cache["saved"][i] = cache["saved"][i], None  # each is unpacked once
+        return t
+
+    counter = itertools.count()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: next(counter), unpack):
+        return segment(x)
+
+
+def recompute_functional(segment, x):
+    params = dict(segment.named_parameters())
+    names = list(params)
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, *values):
+            ctx.rng = torch.get_rng_state()
+            ctx.save_for_backward(inp)
+            with torch.no_grad():
+                return torch.func.functional_call(segment, dict(zip(names, values,
+                                                      strict=True)),
+                                                  (inp,))
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            (inp,) = ctx.saved_tensors
+            values = [params[n].detach().requires_grad_() for n in names]
+            keep = torch.get_rng_state()
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                i2 = inp.detach().requires_grad_()
+                out = torch.func.functional_call(segment, dict(zip(names, values,
+                                                      strict=True)),
+                                                 (i2,))
+            torch.set_rng_state(keep)
+            return torch.autograd.grad(out, [i2, *values], grad_out)
+
+    return Fn.apply(x, *params.values())
+
+
+@pytest.mark.parametrize("fn", [recompute_torch, recompute_accumulate, Recomputer(),
+                                recompute_hooks, recompute_functional])
+def test_right_recomputations_pass(fn):
+    ch08.check_recompute(fn)
+
+
+def _function(forward, backward):
+    """A torch.autograd.Function from two plain functions (for wrong answers)."""
+    fn = type("Wrong", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return fn
+
+
+def _wrong_recompute(save_rng=True, grad_of_sum=False, params_too=True,
+                     accumulate_and_return=False, recomputes=1, enable_grad=True,
+                     keep_first=False):
+    def recompute(segment, x):
+        params = list(segment.parameters())
+
+        def forward(ctx, inp, *ps):
+            ctx.rng = torch.get_rng_state()
+            with torch.no_grad():
+                out = segment(inp)
+            kept = segment[1](inp) if keep_first else inp
+            ctx.save_for_backward(inp, kept)
+            return out
+
+        def backward(ctx, grad):
+            inp, _ = ctx.saved_tensors
+            for _ in range(recomputes):
+                if save_rng:
+                    torch.set_rng_state(ctx.rng)
+                with torch.set_grad_enabled(enable_grad):
+                    i2 = inp.detach().requires_grad_()
+                    out = segment(i2)
+            wrt = [i2, *params] if params_too else [i2]
+            g = grad if not grad_of_sum else torch.ones_like(out)
+            if accumulate_and_return:
+                torch.autograd.backward(out, g, inputs=wrt)
+                return (i2.grad, *[p.grad for p in params])
+            grads = torch.autograd.grad(out, wrt, g)
+            return (*grads, *[None] * (len(params) + 1 - len(grads)))
+
+        return _function(forward, backward).apply(x, *params)
+    return recompute
+
+
+def test_wrong_recomputations_fail():
+    def plain(segment, x):
+        return segment(x)
+
+    def no_graph(segment, x):
+        with torch.no_grad():
+            return segment(x)
+
+    def reentrant(segment, x):
+        return checkpoint(segment, x, use_reentrant=True)
+
+    def float32_only(segment, x):
+        return recompute_torch(segment, x.float())
+
+    def keeps_a_graph_too(segment, x):
+        inner = segment(x)  # the activations stay held by inner's graph
+        return recompute_torch(segment, x) + 0 * inner
+
+    check = ch08.check_recompute
+    fails(check, plain, "ran once")
+    fails(check, no_graph, "no graph")
+    fails(check, reentrant, "use_reentrant=True")
+    fails(check, float32_only, "float64")
+    fails(check, keeps_a_graph_too, "ran 3 times")
+    fails(check, _wrong_recompute(save_rng=False), "dropout masks")
+    fails(check, _wrong_recompute(grad_of_sum=True), "gradient of the output")
+    fails(check, _wrong_recompute(params_too=False), "parameters")
+    fails(check, _wrong_recompute(accumulate_and_return=True), "twice")
+    fails(check, _wrong_recompute(recomputes=2), "ran 3 times")
+    fails(check, _wrong_recompute(enable_grad=False), "enable_grad")
+    fails(check, _wrong_recompute(keep_first=True), "bytes held")
 
 
 # ---------------------------------------------------------------- 8.3
+
+
+def offload_uuid(fn, x, folder):
+    def pack(t):
+        path = os.path.join(folder, uuid.uuid4().hex + ".pt")
+        torch.save(t, path)
+        return path
+
+    def unpack(path):
+        try:
+            return torch.load(path, weights_only=True)
+        finally:
+            os.remove(path)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+
+
+_numbers = itertools.count()  # one counter for every call: names never repeat
+
+
+def offload_counter(fn, x, folder):
+    def pack(t):
+        name = pathlib.Path(folder) / f"saved_{next(_numbers)}.bin"
+        with open(name, "wb") as f:
+            torch.save({"tensor": t}, f)
+        return name
+
+    def unpack(name):
+        with open(name, "rb") as f:
+            t = torch.load(f, weights_only=True)["tensor"]
+        name.unlink()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+
+
+class ToDisk(torch.autograd.graph.saved_tensors_hooks):  # a class of hooks
+    def __init__(self, folder):
+        self.folder = folder
+        super().__init__(self.pack, self.unpack)
+
+    def pack(self, t):
+        fd, path = tempfile.mkstemp(dir=self.folder)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(t, f)
+        return path
+
+    def unpack(self, path):
+        t = torch.load(path, weights_only=True)
+        os.unlink(path)
+        return t
+
+
+def offload_class(fn, x, folder):
+    with ToDisk(folder):
+        out = fn(x)
+    return out
+
+
+def offload_keeps_parameters(fn, x, folder):
+    """Parameters stay where they are (they are held anyway); the rest to disk."""
+    params = {p.untyped_storage().data_ptr() for p in fn.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() in params:
+            return ("here", t)
+        path = os.path.join(folder, f"{uuid.uuid4()}.pt")
+        torch.save(t.detach(), path)
+        return ("disk", path)
+
+    def unpack(packed):
+        where, what = packed
+        if where == "here":
+            return what
+        t = torch.load(what, weights_only=True)
+        os.remove(what)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+
+
+class Offloader:  # a callable object whose file names carry its own id and a count
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, fn, x, folder):
+        def pack(t):
+            self.n += 1
+            path = os.path.join(folder, f"{id(self)}-{self.n}")
+            torch.save(t, path)
+            return path
+
+        def unpack(path):
+            t = torch.load(path, weights_only=False)
+            os.remove(path)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(x)
+
+
+@pytest.mark.parametrize("fn", [offload_uuid, offload_counter, offload_class,
+                                offload_keeps_parameters, Offloader()])
+def test_right_offloads_pass(fn):
+    ch08.check_offloaded(fn)
+
+
+def _offload(pack_kind="file", unpack_kind="delete", names="unique", keep=False,
+             to_half=False, as_float=False):
+    def offloaded(fn, x, folder):
+        count = itertools.count()
+        cache = []
+
+        def pack(t):
+            if pack_kind == "none":
+                return t
+            path = os.path.join(folder, f"{uuid.uuid4()}.pt" if names == "unique"
+                                else f"{next(count)}.pt")
+            u = t.half() if to_half else t.float() if as_float else t
+            if pack_kind == "numpy":
+                np.save(path, u.detach().numpy())
+                path += ".npy"
+            else:
+                torch.save(u, path)
+            if keep:
+                cache.append(t)  # "for speed"
+            return path, t.dtype
+
+        def unpack(packed):
+            if pack_kind == "none":
+                return packed
+            path, dtype = packed
+            t = (torch.from_numpy(np.load(path)) if pack_kind == "numpy" else
+                 torch.load(path, weights_only=True)).to(dtype)
+            if unpack_kind == "delete":
+                os.remove(path)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(x)
+    return offloaded
+
+
+def test_wrong_offloads_fail():
+    def hooks_around_nothing(fn, x, folder):
+        out = fn(x)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            pass
+        return out
+
+    elsewhere = tempfile.TemporaryDirectory()  # removed at the end of the test
+
+    def own_temp_dir(fn, x, folder):
+        return offload_uuid(fn, x, elsewhere.name)
+
+    def no_grad(fn, x, folder):
+        with torch.no_grad():
+            return offload_uuid(fn, x, folder)
+
+    def clears_folder_after_forward(fn, x, folder):
+        out = offload_counter(fn, x, folder)
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+        return out
+
+    check = ch08.check_offloaded
+    fails(check, _offload(pack_kind="none"), "empty folder")
+    fails(check, _offload(keep=True), "keep no reference")
+    fails(check, _offload(names="per call"), "overwrote")
+    fails(check, _offload(unpack_kind="keep"), "delete each file")
+    fails(check, _offload(to_half=True), "not a smaller copy")
+    fails(check, _offload(as_float=True), "not a smaller copy")
+    fails(check, _offload(pack_kind="numpy"), "numpy has no bfloat16")
+    fails(check, hooks_around_nothing, "empty folder")
+    fails(check, own_temp_dir, "empty folder")
+    fails(check, no_grad, "no graph")
+    fails(check, clears_folder_after_forward, "only once it has been read back")
+    elsewhere.cleanup()
+
+
+def test_checkers_leave_no_temporary_folder():
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "ch08_check_*")))
+    ch08.check_offloaded(offload_uuid)
+    with pytest.raises(ExerciseFailed):
+        ch08.check_offloaded(_offload(unpack_kind="keep"))
+    after = set(glob.glob(os.path.join(tempfile.gettempdir(), "ch08_check_*")))
+    assert after == before
+# ---------------------------------------------------------------- 8.4
 
 
 def fmt_loop(values, rel_error):
@@ -275,8 +609,18 @@ def fmt_dtype_object(values, rel_error):
     return getattr(torch, fmt_loop(values, rel_error))
 
 
+def fmt_numpy(values, rel_error):
+    v = values.double().numpy()
+    for name in ("float16", "bfloat16", "float32"):
+        back = values.to(getattr(torch, name)).double().numpy()
+        err = np.abs(back - v)
+        if np.isfinite(back).all() and (err <= rel_error * np.abs(v)).all():
+            return name
+    return "float64"
+
+
 @pytest.mark.parametrize("fn", [fmt_loop, fmt_finfo_then_check, fmt_isclose,
-                                fmt_dtype_object])
+                                fmt_dtype_object, fmt_numpy])
 def test_right_formats_pass(fn):
     ch08.check_cheapest_format(fn)
 
@@ -334,6 +678,10 @@ def test_wrong_formats_fail():
     def first_value_only(values, rel_error):
         return fmt_loop(values[:1], rel_error)
 
+    def largest_only(values, rel_error):
+        return fmt_loop(values.abs().max().reshape(1), rel_error)
+
+    fails(ch08.check_cheapest_format, largest_only, "subnormal")
     fails(ch08.check_cheapest_format, range_only, "65504")
     fails(ch08.check_cheapest_format, eps_only, "65504")
     fails(ch08.check_cheapest_format, bf16_first, "8 bits of mantissa")

@@ -68,3 +68,29 @@ def test_fake_ranks_reproduce_the_recorded_point():
     live = memory.fsdp2_peak_on_fake_ranks([8], layers=2, in_process=True)[8]
     assert live["peak"] == memory.LLAMA2_2_LAYERS_FSDP2[8]
     assert not torch.distributed.is_initialized()  # cleaned up after itself
+
+
+def test_live_bytes_counts_new_storages_until_freed():
+    a = torch.zeros(100)  # made before: not counted, nor are its views
+    with memory.LiveBytes() as live:
+        b = a * 2  # 400 B, kept
+        v = b.view(10, 10)  # a view: no new memory
+        a.add_(1)  # in place: no new memory
+        (b + 1).sum()  # 400 B and 4 B, freed at once
+        del v
+    assert (live.current, live.peak) == (400, 804)
+    del b
+    assert live.current == 0
+
+
+def test_live_bytes_sees_what_autograd_keeps():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    with memory.LiveBytes() as kept:
+        out = torch.tanh(lin(x))  # the Linear's output is freed, tanh's is kept
+    assert kept.current == 8 * 16 * 4  # out itself, which tanh saves
+    with memory.LiveBytes() as nograd, torch.no_grad():
+        torch.tanh(lin(x))
+    assert nograd.current == 0 and nograd.peak == 2 * 8 * 16 * 4
+    del out
