@@ -222,6 +222,10 @@ def _judge_measure(ex: str, seconds, work, where: str) -> float:
     if low <= seconds <= high:
         return steady
     expected = f"about {steady * 1e3:.3g} ms per call {where}"
+    if 700 < seconds / steady < 1400:
+        fail(ex, expected + ", in seconds", f"{seconds:.4g}: milliseconds",
+             "return seconds (time.perf_counter() counts seconds; CUDA's "
+             "elapsed_time gives milliseconds: divide by 1000)")
     total = sum(durations)
     warm_up_hint = "warm up: call fn() once, then sync(), before starting the clock"
     if seconds > high and not _waited_after_first(work.log):
