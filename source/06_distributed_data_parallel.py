@@ -926,8 +926,8 @@ for options in bn[0][1]:
 # **buckets**, in reverse order of the parameters, and all-reduces a bucket as
 # soon as its gradients are ready, while autograd goes on. Three facts from
 # torch 2.13's `DistributedDataParallel.__init__`: the first iteration uses
-# one bucket for everything (DDP then rebuilds the buckets in the order the
-# gradients actually arrived); the cap, `bucket_cap_mb`, is 25 MiB by default;
+# one bucket for everything unless `find_unused_parameters=True` (DDP then
+# rebuilds the buckets in the order the gradients arrived); the cap, `bucket_cap_mb`, is 25 MiB by default;
 # and with the default the *first* bucket is capped at 1 MiB, so the last
 # layer's gradients start their all-reduce early. Passing `bucket_cap_mb=25`
 # explicitly, the "default" value, turns that small first bucket off. A
@@ -951,7 +951,8 @@ def bucket_sizes_and_profile(rank, world_size, options):
 
     ddp.register_comm_hook(None, recording_hook)
     x = torch.randn(256, 512)
-    for iteration[0] in range(3):
+    for step in range(3):  # the profile of the last one is kept
+        iteration[0] = step
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             ddp(x).sum().backward()
     spans = []

@@ -1,11 +1,12 @@
 """Checkers for Chapter 6 (DistributedDataParallel).
 
-6.1 and 6.3 run the learner's function in real processes with
-``course_utils.dist.launch`` (forked, so functions defined in the notebook
-work), at world sizes 2 and 3; 6.2 needs no processes, since
-``DistributedSampler`` takes the rank. Each is judged by what the function
-does - the gradients it leaves, the batches it returns, the weights every
-rank ends with - not by which functions it calls.
+Each runs the learner's function in real processes with
+``course_utils.dist.launch`` (functions defined in the notebook travel by
+value): 6.1 and 6.3 at world sizes 2 and 3, 6.2 at 2, 3 and 4. Each is judged
+by what the function does - the gradients it leaves, the sums and the
+messages each rank sends (counted at the process group, so any point-to-point
+API passes and any collective is seen), the weights every rank ends with -
+not by which names it calls.
 """
 
 from __future__ import annotations
