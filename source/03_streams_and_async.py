@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, Dataset
 from course_utils import banner, bench, reference, transfers, try_all_gpus, try_gpu
 from course_utils.checks.ch03 import (
     StandInCuda,
-    check_loader_config,
+    check_load_ahead,
     check_overlap_fraction,
     check_prefetcher,
     host_batches,
@@ -985,8 +985,10 @@ check_prefetcher(prefetch)
 # end during which **at least two** spans were running (whatever their
 # lanes). Two spans that only touch do not overlap; a span of zero length
 # never runs; time when three run at once counts once; gaps count in the
-# total. The check uses hand-made cases and seeded random ones, and then the
-# matmul spans of the two threads measured in section 3.
+# total. Leave `spans` as they were: the caller still needs them. The check
+# uses hand-made cases and seeded random ones (integer and float times,
+# negative and large offsets, spans as tuples or lists), asks each twice, and
+# then takes the matmul spans of the two threads measured in section 3.
 
 # %% tags=["exercise"] exercise="3.2"
 def overlap_fraction(spans):
@@ -1008,31 +1010,60 @@ def overlap_fraction(spans):
 check_overlap_fraction(overlap_fraction, measured_spans=par["spans"])
 
 # %% [markdown]
-# ### Exercise 3.3: a DataLoader that keeps the training step fed
+# ### Exercise 3.3: loading ahead, by hand
 #
-# Write `make_loader(dataset, batch_size, load_s, step_s, device)`: return a
-# `DataLoader` over `dataset` that makes batches of `batch_size` samples,
-# where making one batch takes `load_s` seconds and the training step that
-# uses it takes `step_s` seconds. The training loop may wait for data at
-# most 30 % of a step (the check measures this wait, in the second half of an
-# epoch). Use the **fewest** worker processes that achieve it, plus one
-# spare at most: each worker is a process with its own memory and a share of
-# the cores. Pin the batches when `device` is a GPU, and only then.
+# Build the pipeline a `DataLoader` runs, with threads. Write
+# `load_ahead(dataset, batch_size, workers)`: a generator that yields the
+# batches of `dataset` in order, where batch *k* is `(x, y)`, the `x` and the
+# `y` of samples `k * batch_size` onwards stacked (`torch.stack`; the last
+# batch may be shorter), while `workers` threads load the next batches: at
+# most `2 * workers` batches ahead of the one handed out (what
+# `prefetch_factor=2` bounds), and at most `workers` loads at once. With
+# `workers=0` the loop loads each batch itself. The dataset can be read only
+# in this process (it stands for one holding an open file), so threads, not a
+# `DataLoader`'s worker processes: loading (I/O, torch's operators) releases
+# the GIL.
+#
+# The check trains on your batches with a step of fixed length and measures
+# how long the loop waits for data in the second half of an epoch (at most
+# 30 % of a step). It also stops a loop after 3 batches (the generator is
+# closed: loading must stop and no thread may be left), feeds a dataset with
+# a corrupt sample (its error must reach the loop, not hang it), and calls
+# your function twice.
 
 # %% tags=["exercise"] exercise="3.3"
-def make_loader(dataset, batch_size, load_s, step_s, device):
+def load_ahead(dataset, batch_size, workers):
     ### BEGIN SOLUTION
-    import math
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    from itertools import islice
 
-    workers = 0 if load_s <= 0.3 * step_s else math.ceil(load_s / step_s)
-    return DataLoader(dataset, batch_size=batch_size, num_workers=workers,
-                      pin_memory=device.type == "cuda",
-                      timeout=30 if workers else 0)
+    def load(start):
+        stop = min(start + batch_size, len(dataset))
+        samples = [dataset[i] for i in range(start, stop)]
+        return tuple(torch.stack(parts) for parts in zip(*samples, strict=True))
+
+    starts = iter(range(0, len(dataset), batch_size))
+    if workers == 0:
+        yield from (load(start) for start in starts)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        ahead = deque(pool.submit(load, s) for s in islice(starts, 2 * workers))
+        try:
+            while ahead:
+                batch = ahead.popleft().result()  # waits; re-raises a load's error
+                start = next(starts, None)
+                if start is not None:
+                    ahead.append(pool.submit(load, start))
+                yield batch
+        finally:  # the loop stopped early (close) or a load failed
+            for future in ahead:
+                future.cancel()
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="3.3"
-check_loader_config(make_loader, device)
+check_load_ahead(load_ahead)
 
 # %% [markdown]
 # ## Glossary

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import collections
-import math
+import itertools
+import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ from torch.utils.data import DataLoader
 
 from course_utils.checks.ch03 import (
     StandInCuda,
-    check_loader_config,
+    TracedSamples,
+    check_load_ahead,
     check_overlap_fraction,
     check_prefetcher,
     host_batches,
@@ -154,6 +158,75 @@ def prefetch_two_ahead(batches, device, cuda):
         x = queue.popleft()
         x.record_stream(cuda.current_stream())
         yield x
+
+
+def prefetch_events_alias(batches, device, cuda):
+    """Another spelling: an alias for the module, one event per batch, a list as
+    the one-batch buffer, and harmless extra bookkeeping."""
+    gpu, pending, count = cuda, [], 0
+    copy_stream = gpu.Stream()
+    for b in batches:
+        with gpu.stream(copy_stream):
+            on_device = b.to(device, non_blocking=True)
+            ready = gpu.Event()
+            ready.record(copy_stream)
+        pending.append((on_device, ready))
+        count += 1
+        if len(pending) == 2:
+            x, ev = pending.pop(0)
+            gpu.current_stream().wait_event(ev)
+            x.record_stream(gpu.current_stream())
+            yield x
+    for x, ev in pending:
+        ev.wait(gpu.current_stream())
+        x.record_stream(gpu.current_stream())
+        yield x
+
+
+_KEPT = {}
+
+
+def prefetch_global_stream(batches, device, cuda):
+    """Keeps its side stream (and the compute stream) from the first call."""
+    side = _KEPT.setdefault("side", cuda.Stream())
+    main = _KEPT.setdefault("main", cuda.current_stream())
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        return
+    with cuda.stream(side):
+        ahead = first.to(device, non_blocking=True)
+    for b in it:
+        main.wait_stream(side)
+        ahead.record_stream(main)
+        current = ahead
+        with cuda.stream(side):
+            ahead = b.to(device, non_blocking=True)
+        yield current
+    main.wait_stream(side)
+    ahead.record_stream(main)
+    yield ahead
+
+
+def prefetch_float32(batches, device, cuda):
+    """Right streams, but every batch is converted to float32 on the way."""
+    side, main = cuda.Stream(), cuda.current_stream()
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        return
+    with cuda.stream(side):
+        ahead = first.float().to(device, non_blocking=True)
+    for b in it:
+        main.wait_stream(side)
+        ahead.record_stream(main)
+        current = ahead
+        with cuda.stream(side):
+            ahead = b.float().to(device, non_blocking=True)
+        yield current
+    main.wait_stream(side)
+    ahead.record_stream(main)
+    yield ahead
 
 
 def prefetch_no_wait(batches, device, cuda):
@@ -311,7 +384,7 @@ def prefetch_placeholder(batches, device, cuda):
 
 
 @pytest.mark.parametrize("fn", [prefetch_apex, PrefetchClass, prefetch_record_at_copy,
-                                prefetch_two_ahead])
+                                prefetch_two_ahead, prefetch_events_alias])
 def test_prefetch_correct(fn, capsys):
     check_prefetcher(fn)
     assert "Exercise 3.1 passed" in capsys.readouterr().out
@@ -333,6 +406,8 @@ def test_prefetch_correct(fn, capsys):
     (prefetch_wait_once, "while the copy into it was still running"),
     (prefetch_polls, "query() in a loop"),
     (prefetch_placeholder, "placeholder"),
+    (prefetch_global_stream, "a stream kept from an earlier call"),
+    (prefetch_float32, "same dtype and values"),
 ])
 def test_prefetch_wrong(fn, words):
     with pytest.raises(ExerciseFailed) as err:
@@ -488,11 +563,70 @@ def overlap_three_tuples(spans):
     return overlap_pieces(spans)
 
 
+class OverlapMeter:
+    """A class whose instances are called: pieces between edges, via a dict."""
+
+    def __call__(self, spans):
+        spans = [tuple(s) for s in spans]
+        cuts = sorted({float(t) for s in spans for t in s[1:3]})
+        running = {(lo, hi): sum(1 for s in spans if s[1] < hi and s[2] > lo)
+                   for lo, hi in zip(cuts, cuts[1:], strict=False)}
+        busy = sum(hi - lo for (lo, hi), k in running.items() if k > 1)
+        wall = cuts[-1] - cuts[0] if cuts else 0.0
+        return 0.0 if wall == 0 else busy / wall
+
+
+def overlap_pop_sorted(spans):
+    """Sorts the caller's list in place (order only): allowed, the spans stay."""
+    spans.sort(key=lambda s: s[1]) if isinstance(spans, list) else None
+    return overlap_sweep(spans)
+
+
+def overlap_consumes(spans):
+    """Pops the spans off the caller's list while sweeping."""
+    value = overlap_pieces(list(spans))
+    if isinstance(spans, list):
+        while spans:
+            spans.pop()
+    return value
+
+
+_SEEN = []
+
+
+def overlap_cached(spans):
+    """Remembers every answer; returns the first one on later calls."""
+    _SEEN.append(overlap_pieces(spans))
+    return _SEEN[0]
+
+
+def overlap_float32(spans):
+    """Right sweep, but the times pass through float32 (perf_counter-sized
+    times lose their digits)."""
+    fixed = [(s[0], float(torch.tensor(s[1], dtype=torch.float32)),
+              float(torch.tensor(s[2], dtype=torch.float32))) for s in spans]
+    return overlap_sweep(fixed)
+
+
+def overlap_integer_times(spans):
+    """Rounds every time to a whole number."""
+    return overlap_pieces([(s[0], round(s[1]), round(s[2])) for s in spans])
+
+
+def overlap_list_result(spans):
+    return [overlap_pieces(spans)]
+
+
+def overlap_hangs(spans):
+    while True:
+        time.sleep(0.01)
+
+
 MEASURED = [("thread 1", 100.0, 100.05, "x"), ("thread 2", 100.01, 100.06, "y")]
 
 
 @pytest.mark.parametrize("fn", [overlap_sweep, overlap_grid, overlap_pieces,
-                                overlap_tensor])
+                                overlap_tensor, OverlapMeter(), overlap_pop_sorted])
 def test_overlap_correct(fn, capsys):
     check_overlap_fraction(fn, measured_spans=MEASURED)
     assert "Exercise 3.2 passed" in capsys.readouterr().out
@@ -508,10 +642,16 @@ def test_overlap_correct(fn, capsys):
     (overlap_neighbours, "not neighbours"),
     (overlap_lanes_only, "count spans, not lanes"),
     (overlap_unsorted, "sort"),
-    (overlap_percent, "two spans running the whole time"),
+    (overlap_percent, "not a percentage"),
     (overlap_three_tuples, "ValueError"),
     (lambda spans: NotImplementedError and (_ for _ in ()).throw(
         NotImplementedError("Exercise 3.2")), "placeholder"),
+    (overlap_consumes, "leave the spans it was given"),
+    (overlap_cached, "no state kept between calls"),
+    (overlap_float32, "= "),
+    (overlap_integer_times, "= "),
+    (overlap_list_result, "to return a number"),
+    (overlap_hangs, "within 10 s"),
 ])
 def test_overlap_wrong(fn, words):
     with pytest.raises(ExerciseFailed) as err:
@@ -519,129 +659,421 @@ def test_overlap_wrong(fn, words):
     assert words in str(err.value)
 
 
-# --- Exercise 3.3: a DataLoader that keeps the step fed --------------------------
+# --- Exercise 3.3: loading ahead in threads ---------------------------------------
 
 
-def loader_ceil(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size,
-                      num_workers=math.ceil(load_s / step_s),
-                      pin_memory=device.type == "cuda", timeout=30)
+def _stack(dataset, start, batch_size):
+    samples = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+    xs, ys = zip(*samples, strict=True)
+    return torch.stack(xs), torch.stack(ys)
 
 
-def loader_spare(dataset, batch_size, load_s, step_s, device):
-    """One spare worker; persistent workers; prefetch of 4 batches each."""
-    k = int(load_s // step_s) + 1
-    return DataLoader(dataset, batch_size, shuffle=True, num_workers=k,
-                      pin_memory=torch.device(device).type == "cuda",
-                      prefetch_factor=4, persistent_workers=True)
+def ahead_threads_queue(dataset, batch_size, workers):
+    """Plain threads: a task queue, results by batch number, a semaphore as the
+    bound, a stop flag set on close."""
+    starts = list(range(0, len(dataset), batch_size))
+    if workers == 0:
+        for s in starts:
+            yield _stack(dataset, s, batch_size)
+        return
+    tasks, results = queue.Queue(), {}
+    done = threading.Condition()
+    room = threading.Semaphore(2 * workers)
+    stop = threading.Event()
+
+    def work():
+        while not stop.is_set():
+            try:
+                k = tasks.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            if k is None:
+                return
+            try:
+                out = ("ok", _stack(dataset, starts[k], batch_size))
+            except Exception as e:  # handed to the loop
+                out = ("error", e)
+            with done:
+                results[k] = out
+                done.notify_all()
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+
+    def feed():
+        for k in range(len(starts)):
+            while not room.acquire(timeout=0.01):
+                if stop.is_set():
+                    return
+            tasks.put(k)
+        for _ in threads:
+            tasks.put(None)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        for k in range(len(starts)):
+            with done:
+                done.wait_for(lambda k=k: k in results)
+                kind, value = results.pop(k)
+            if kind == "error":
+                raise value
+            room.release()
+            yield value
+    finally:
+        stop.set()
+        feeder.join()
+        for t in threads:
+            t.join()
 
 
-def loader_zero_when_cheap(dataset, batch_size, load_s, step_s, device):
-    """No worker when loading is cheap; keyword-free positional batch size."""
-    k = 0 if load_s <= 0.3 * step_s else -(-load_s // step_s)
-    kwargs = {"prefetch_factor": 2} if k else {}
-    return DataLoader(dataset, batch_size, num_workers=int(k),
-                      pin_memory=str(device).startswith("cuda"), **kwargs)
+class AheadIterator:
+    """A class with __iter__/__next__/close over a thread pool."""
+
+    def __init__(self, dataset, batch_size, workers):
+        self.dataset, self.bs, self.workers = dataset, batch_size, workers
+        self.starts = iter(range(0, len(dataset), batch_size))
+        self.pool = ThreadPoolExecutor(workers) if workers else None
+        self.pending = collections.deque()
+        if self.pool:
+            for s in itertools.islice(self.starts, 2 * workers):
+                self.pending.append(self.pool.submit(_stack, dataset, s, batch_size))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pool is None:
+            s = next(self.starts)
+            return _stack(self.dataset, s, self.bs)
+        if not self.pending:
+            self.close()
+            raise StopIteration
+        future = self.pending.popleft()
+        try:
+            batch = future.result()
+        except Exception:
+            self.close()
+            raise
+        s = next(self.starts, None)
+        if s is not None:
+            self.pending.append(self.pool.submit(_stack, self.dataset, s, self.bs))
+        return batch
+
+    def close(self):
+        if self.pool is not None:
+            for f in self.pending:
+                f.cancel()
+            self.pool.shutdown(wait=True)
 
 
-def loader_ratio_plus_one(dataset, batch_size, load_s, step_s, device):
-    from torch.utils import data as tud
+def ahead_submit_after_yield(dataset, batch_size, workers):
+    """Submits the next load after the yield; an alias for the executor; a
+    list instead of a deque; extra harmless counting."""
+    import concurrent.futures as cf
 
-    workers = math.ceil(load_s / step_s + 0.5)
-    return tud.DataLoader(dataset, batch_size=batch_size, num_workers=workers,
-                          pin_memory=(device.type == "cuda"),
-                          multiprocessing_context="fork")
-
-
-def loader_ceil_plus_one(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size,
-                      num_workers=math.ceil(load_s / step_s) + 1,
-                      pin_memory=device.type == "cuda")
-
-
-def loader_no_workers(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=device.type == "cuda")
-
-
-def loader_one_worker(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size, num_workers=1,
-                      pin_memory=device.type == "cuda")
-
-
-def loader_two_workers(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size, num_workers=2,
-                      pin_memory=device.type == "cuda")
-
-
-def loader_eight_workers(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size, num_workers=8,
-                      pin_memory=device.type == "cuda")
+    starts = list(range(0, len(dataset), batch_size))
+    handed = 0
+    if not workers:
+        for s in starts:
+            handed += 1
+            yield _stack(dataset, s, batch_size)
+        return
+    with cf.ThreadPoolExecutor(max_workers=workers) as ex:
+        futures = [ex.submit(_stack, dataset, s, batch_size)
+                   for s in starts[:2 * workers]]
+        nxt = 2 * workers
+        try:
+            while futures:
+                batch = futures.pop(0).result()
+                handed += 1
+                yield batch
+                if nxt < len(starts):
+                    futures.append(ex.submit(_stack, dataset, starts[nxt], batch_size))
+                    nxt += 1
+        finally:
+            for f in futures:
+                f.cancel()
 
 
-def loader_floor(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size,
-                      num_workers=int(load_s / step_s),
-                      pin_memory=device.type == "cuda")
+def ahead_one_ahead(dataset, batch_size, workers):
+    """Keeps only `workers` batches in flight (less than allowed): still fed."""
+    starts = iter(range(0, len(dataset), batch_size))
+    if workers == 0:
+        yield from (_stack(dataset, s, batch_size) for s in starts)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        flight = collections.deque(pool.submit(_stack, dataset, s, batch_size)
+                                   for s in itertools.islice(starts, workers))
+        try:
+            while flight:
+                done = flight.popleft().result()
+                s = next(starts, None)
+                if s is not None:
+                    flight.append(pool.submit(_stack, dataset, s, batch_size))
+                yield done
+        finally:
+            for f in flight:
+                f.cancel()
 
 
-def loader_inverted_ratio(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size,
-                      num_workers=math.ceil(step_s / load_s) if load_s else 0,
-                      pin_memory=device.type == "cuda")
+def ahead_map_per_batch(dataset, batch_size, workers):
+    """Each batch's samples loaded by the pool's map (at most `workers` at once),
+    the next batch's map started before handing this one out."""
+    starts = list(range(0, len(dataset), batch_size))
+    if workers == 0:
+        for s in starts:
+            yield _stack(dataset, s, batch_size)
+        return
+
+    def sample_ids(s):
+        return range(s, min(s + batch_size, len(dataset)))
+
+    with ThreadPoolExecutor(workers) as pool:
+        def start(s):
+            return [pool.submit(dataset.__getitem__, i) for i in sample_ids(s)]
+
+        queued = collections.deque(start(s) for s in starts[:2])
+        nxt = 2
+        try:
+            while queued:
+                samples = [f.result() for f in queued.popleft()]
+                if nxt < len(starts):
+                    queued.append(start(starts[nxt]))
+                    nxt += 1
+                xs, ys = zip(*samples, strict=True)
+                yield torch.stack(xs), torch.stack(ys)
+        finally:
+            for fs in queued:
+                for f in fs:
+                    f.cancel()
 
 
-def loader_always_pinned(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size,
-                      num_workers=math.ceil(load_s / step_s), pin_memory=True)
+# wrong answers -----------------------------------------------------------------
 
 
-def loader_never_pinned(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size,
-                      num_workers=math.ceil(load_s / step_s))
+def ahead_sequential(dataset, batch_size, workers):
+    """Ignores `workers`: loads in the loop."""
+    for s in range(0, len(dataset), batch_size):
+        yield _stack(dataset, s, batch_size)
 
 
-def loader_no_batch_size(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, num_workers=math.ceil(load_s / step_s),
-                      pin_memory=device.type == "cuda")
+def ahead_all_first(dataset, batch_size, workers):
+    """Loads the whole epoch in the pool, then yields."""
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        batches = list(pool.map(lambda s: _stack(dataset, s, batch_size),
+                                range(0, len(dataset), batch_size)))
+    yield from batches
 
 
-def loader_drop_last(dataset, batch_size, load_s, step_s, device):
-    return DataLoader(dataset, batch_size=batch_size, drop_last=True,
-                      num_workers=math.ceil(load_s / step_s),
-                      pin_memory=device.type == "cuda")
+def ahead_unbounded(dataset, batch_size, workers):
+    """Submits every batch at once (no bound), yields in order."""
+    if workers == 0:
+        yield from ahead_sequential(dataset, batch_size, 0)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(_stack, dataset, s, batch_size)
+                   for s in range(0, len(dataset), batch_size)]
+        for f in futures:
+            yield f.result()
 
 
-def loader_returns_config(dataset, batch_size, load_s, step_s, device):
-    return {"num_workers": math.ceil(load_s / step_s), "pin_memory": False}
+def ahead_completion_order(dataset, batch_size, workers):
+    """Yields whichever batch finished first."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    starts = iter(range(0, len(dataset), batch_size))
+    if workers == 0:
+        yield from ahead_sequential(dataset, batch_size, 0)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        running = {pool.submit(_stack, dataset, s, batch_size)
+                   for s in itertools.islice(starts, 2 * workers)}
+        while running:
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                s = next(starts, None)
+                if s is not None:
+                    running.add(pool.submit(_stack, dataset, s, batch_size))
+                yield f.result()
 
 
-def loader_placeholder(dataset, batch_size, load_s, step_s, device):
+def _pipeline(dataset, batch_size, workers, load=_stack, starts=None, threads=None):
+    """A right pipeline that the wrong answers below change in one place."""
+    starts = iter(starts if starts is not None else range(0, len(dataset), batch_size))
+    with ThreadPoolExecutor(threads or max(1, workers)) as pool:
+        pend = collections.deque(pool.submit(load, dataset, s, batch_size)
+                                 for s in itertools.islice(starts, 2 * max(1, workers)))
+        try:
+            while pend:
+                f = pend.popleft()
+                s = next(starts, None)
+                if s is not None:
+                    pend.append(pool.submit(load, dataset, s, batch_size))
+                yield f
+        finally:
+            for f in pend:
+                f.cancel()
+
+
+def ahead_drop_last(dataset, batch_size, workers):
+    full = range(0, len(dataset) // batch_size * batch_size, batch_size)
+    for f in _pipeline(dataset, batch_size, workers, starts=full):
+        yield f.result()
+
+
+def ahead_samples_list(dataset, batch_size, workers):
+    """Yields lists of samples, not stacked tensors."""
+    for s in range(0, len(dataset), batch_size):
+        yield [dataset[i] for i in range(s, min(s + batch_size, len(dataset)))]
+
+
+def ahead_float32(dataset, batch_size, workers):
+    for x, y in ahead_one_ahead(dataset, batch_size, workers):
+        yield x.float(), y
+
+
+def ahead_threads_when_zero(dataset, batch_size, workers):
+    """Uses a pool thread even for workers=0."""
+    for f in _pipeline(dataset, batch_size, workers):
+        yield f.result()
+
+
+def ahead_too_many_threads(dataset, batch_size, workers):
+    """A pool twice as big as asked."""
+    if workers == 0:
+        yield from ahead_sequential(dataset, batch_size, 0)
+        return
+    for f in _pipeline(dataset, batch_size, workers, threads=2 * workers):
+        yield f.result()
+
+
+def ahead_swallows_errors(dataset, batch_size, workers):
+    """Skips a batch whose load failed."""
+    if workers == 0:
+        yield from ahead_sequential(dataset, batch_size, 0)
+        return
+    for f in _pipeline(dataset, batch_size, workers):
+        try:
+            yield f.result()
+        except ValueError:
+            continue
+
+
+def _safe_stack(dataset, start, batch_size):
+    try:
+        return _stack(dataset, start, batch_size)
+    except Exception:
+        return None  # the error dies here
+
+
+def ahead_dies_silently(dataset, batch_size, workers):
+    """A failed load gives None, and the loop waits for a batch that never comes."""
+    if workers == 0:
+        yield from ahead_sequential(dataset, batch_size, 0)
+        return
+    for f in _pipeline(dataset, batch_size, workers, load=_safe_stack):
+        while f.result() is None:
+            time.sleep(0.01)
+        yield f.result()
+
+
+def ahead_leaks_threads(dataset, batch_size, workers):
+    """Worker threads and a bounded queue that nobody stops when the loop stops
+    early: the threads wait for ever for room that never comes."""
+    starts = list(range(0, len(dataset), batch_size))
+    if workers == 0:
+        yield from ahead_sequential(dataset, batch_size, 0)
+        return
+    tasks, results, done = queue.Queue(), {}, threading.Condition()
+    room = threading.Semaphore(2 * workers)
+
+    def work():
+        while (k := tasks.get()) is not None:
+            out = _stack(dataset, starts[k], batch_size)
+            with done:
+                results[k] = out
+                done.notify_all()
+
+    def feed():
+        for k in range(len(starts)):
+            room.acquire()
+            tasks.put(k)
+        for _ in range(workers):
+            tasks.put(None)
+
+    for target in [work] * workers + [feed]:
+        threading.Thread(target=target, daemon=True).start()
+    for k in range(len(starts)):
+        with done:
+            done.wait_for(lambda k=k: k in results)
+            batch = results.pop(k)
+        room.release()
+        yield batch
+
+
+_POOL = ThreadPoolExecutor(2)
+
+
+def ahead_shared_pool(dataset, batch_size, workers):
+    """One module-level pool for every call, shut down after the first."""
+    starts = iter(range(0, len(dataset), batch_size))
+    pend = collections.deque(_POOL.submit(_stack, dataset, s, batch_size)
+                             for s in itertools.islice(starts, 2 * max(1, workers)))
+    while pend:
+        b = pend.popleft().result()
+        s = next(starts, None)
+        if s is not None:
+            pend.append(_POOL.submit(_stack, dataset, s, batch_size))
+        yield b
+    _POOL.shutdown(wait=False)
+
+
+def ahead_dataloader(dataset, batch_size, workers):
+    """A DataLoader's worker processes: the dataset cannot be read there."""
+    return iter(DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                           timeout=5, multiprocessing_context="fork"
+                           if workers else None))
+
+
+def ahead_placeholder(dataset, batch_size, workers):
     raise NotImplementedError("Exercise 3.3")
 
 
-@pytest.mark.parametrize("fn", [loader_ceil, loader_spare, loader_zero_when_cheap,
-                                loader_ratio_plus_one])
-def test_loader_correct(fn, capsys):
-    check_loader_config(fn, device="cpu")
+@pytest.mark.parametrize("fn", [ahead_threads_queue, AheadIterator,
+                                ahead_submit_after_yield, ahead_one_ahead,
+                                ahead_map_per_batch])
+def test_load_ahead_correct(fn, capsys):
+    check_load_ahead(fn)
     assert "Exercise 3.3 passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fn, words", [
-    (loader_no_workers, "k x step >= load"),
-    (loader_one_worker, "k x step >= load"),
-    (loader_two_workers, "num_workers=2"),
-    (loader_ceil_plus_one, "the main process alone keeps up"),
-    (loader_eight_workers, "num_workers=8"),
-    (loader_floor, "k x step >= load"),
-    (loader_inverted_ratio, "num_workers="),
-    (loader_always_pinned, "pin_memory=False for device 'cpu'"),
-    (loader_never_pinned, "pin_memory=True for device 'cuda'"),
-    (loader_no_batch_size, "batch_size="),
-    (loader_drop_last, "once per epoch"),
-    (loader_returns_config, "a torch.utils.data.DataLoader"),
-    (loader_placeholder, "placeholder"),
+    (ahead_sequential, "waited"),
+    (ahead_all_first, "loaded ahead of the next one"),
+    (ahead_unbounded, "loaded ahead of the next one"),
+    (ahead_completion_order, "in their order"),
+    (ahead_drop_last, "the last one too"),
+    (ahead_samples_list, "torch.stack"),
+    (ahead_float32, "no dtype change"),
+    (ahead_threads_when_zero, "workers=0"),
+    (ahead_too_many_threads, "loading at once"),
+    (ahead_swallows_errors, "sample 9 is corrupt"),
+    (ahead_dies_silently, "still running"),
+    (ahead_leaks_threads, "the threads end"),
+    (ahead_shared_pool, "cannot schedule new futures"),
+    (ahead_dataloader, "start threads"),
+    (ahead_placeholder, "placeholder"),
 ])
-def test_loader_wrong(fn, words):
+def test_load_ahead_wrong(fn, words):
     with pytest.raises(ExerciseFailed) as err:
-        check_loader_config(fn, device="cpu")
+        check_load_ahead(fn)
     assert words in str(err.value)
+
+
+def test_traced_samples_refuse_other_processes():
+    data = TracedSamples(4, 0.0)
+    data._pid = -1  # as seen from a worker process
+    with pytest.raises(RuntimeError, match="load in threads"):
+        data[0]
