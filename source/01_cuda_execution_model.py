@@ -668,10 +668,11 @@ if on_gpu:
         cuda.get_current_device().CLOCK_RATE if kernels_on_gpu else 0)
     if clock_khz:
         smem_bw = shared_memory_bandwidth(props.multi_processor_count, clock_khz * 1e3)
+        print(f"this GPU, {props.name}: {smem_bw / 1e12:.1f} TB/s of shared memory "
+              "(computed from its probed SM count and clock)")
         reference.record("01.shared_memory_bandwidth", smem_bw / 1e12, "TB/s", device)
 _ = reference.show(
-    "01.shared_memory_bandwidth", unit="TB/s", local_device=device,
-    local=None if smem_bw is None else smem_bw / 1e12,
+    "01.shared_memory_bandwidth", unit="TB/s",
     figures=[reference.predicted(
         a100_smem / 1e12, "TB/s", "NVIDIA A100",
         "SMs x 32 banks x 4 bytes x boost clock: a peak, uncalibrated",
@@ -1243,7 +1244,8 @@ check_block_sum(block_sum)
 # `out` down a column: each thread of a warp in its own sector. Write
 # `transpose(a, out)` so that **both** the reads and the writes are coalesced,
 # by turning the corner in shared memory. It is launched over TILE x TILE
-# blocks (`TILE` of section 8), `grid = (ceil(a.shape[1] / TILE), ceil(a.shape[0] / TILE))`:
+# blocks (`TILE` of section 8), on a grid of
+# `(ceil(a.shape[1] / TILE), ceil(a.shape[0] / TILE))` blocks:
 #
 # 1. block (bx, by) loads the tile of `a` at rows `by * TILE ...`, columns
 #    `bx * TILE ...` into a shared `TILE x TILE` array, thread (tx, ty)

@@ -846,8 +846,11 @@ def _run_axpy_on_gpu(ex, axpy) -> str:
 # Exercise 1.3: a tiled transpose through shared memory
 # ---------------------------------------------------------------------------
 
-# (TILE, rows, columns of a): square and not, multiples of TILE and not
-TRANSPOSE_CASES = ((8, 16, 16), (8, 19, 17), (16, 17, 20), (8, 5, 24), (8, 1, 17))
+# (dtype, TILE, rows, columns of a): square and not, multiples of TILE and not
+TRANSPOSE_CASES = ((np.float32, 8, 16, 16), (np.float32, 8, 19, 17),
+                   (np.float32, 16, 20, 16), (np.float32, 8, 5, 24),
+                   (np.float32, 8, 1, 17), (np.float64, 8, 19, 17),
+                   (np.float64, 8, 9, 12))
 TRANSPOSE_HINTS = {
     "shared_name": "tile",
     "a": "guard the load: only threads with y < a.shape[0] and x < a.shape[1] "
@@ -910,47 +913,46 @@ def check_transpose(transpose) -> None:
              "run the exercise cell that defines it first")
     require_solution(ex, fn)
     rng = np.random.default_rng(13)
-    for dtype in (np.float32, np.float64):
-        for tile, h, w in TRANSPOSE_CASES:
-            a = (rng.standard_normal((h, w)) * 10.0 ** rng.integers(-6, 7, (h, w))
-                 + 1 / 3).astype(dtype)
-            a0 = a.copy()
-            out = np.full((w, h), np.nan, dtype=dtype)
-            grid = (-(-w // tile), -(-h // tile))
-            what = (f"a of shape {h} x {w} ({np.dtype(dtype).name}), TILE = "
-                    f"{tile}, a grid of {grid[0]} x {grid[1]} blocks")
-            launch = _simulate(ex, transpose, (a, out), grid, (tile, tile), what,
-                               names=("a", "out"), hints=TRANSPOSE_HINTS,
-                               overrides={"TILE": tile},
-                               max_steps=16 * tile * tile)
-            _check_inputs_kept(ex, what, a=(a, a0))
-            if np.isnan(out).any():
-                r, c = (int(v[0]) for v in np.nonzero(np.isnan(out)))
-                fail(ex, f"every element of out written ({what})",
-                     f"out[{r}, {c}] never written",
-                     "each block writes the TILE x TILE tile of out at row "
-                     "blockIdx.x * TILE, column blockIdx.y * TILE; use TILE (the "
-                     "check sets it to 8 and 16), not a number")
-            if not np.array_equal(out, a0.T):
-                r, c = (int(v[0]) for v in np.nonzero(out != a0.T))
-                fail(ex, f"out[{r}, {c}] = a[{c}, {r}] = {float(a0[c, r])!r} ({what})",
-                     repr(float(out[r, c])), _transpose_hint(out, a0, tile))
-            got = traces(launch, np.dtype(dtype).itemsize)
-            ideal = _ideal_transpose(h, w, tile, np.dtype(dtype).itemsize)
-            for kind, trace in got.items():
-                if trace.sectors_per_request > 1.05 * ideal[kind].sectors_per_request:
-                    fail(ex, f"{ideal[kind].sectors_per_request:.1f} sectors per "
-                             f"warp request for the global {kind} ({what}), as a "
-                             "tiled transpose",
-                         f"{trace.sectors_per_request:.1f}",
-                         "the threads of a warp read a along a row (threadIdx.x "
-                         "picks the column of a)" if kind == "reads" else
-                         "the threads of a warp write out along a row: "
-                         "threadIdx.x must pick the column of out, so the tile "
-                         "is read transposed (tile[threadIdx.x, threadIdx.y]) "
-                         "and the block's place in out swaps blockIdx.x and "
-                         "blockIdx.y")
-                _check_requests(ex, kind, trace, ideal[kind], what)
+    for dtype, tile, h, w in TRANSPOSE_CASES:
+        a = (rng.standard_normal((h, w)) * 10.0 ** rng.integers(-6, 7, (h, w))
+             + 1 / 3).astype(dtype)
+        a0 = a.copy()
+        out = np.full((w, h), np.nan, dtype=dtype)
+        grid = (-(-w // tile), -(-h // tile))
+        what = (f"a of shape {h} x {w} ({np.dtype(dtype).name}), TILE = "
+                f"{tile}, a grid of {grid[0]} x {grid[1]} blocks")
+        launch = _simulate(ex, transpose, (a, out), grid, (tile, tile), what,
+                           names=("a", "out"), hints=TRANSPOSE_HINTS,
+                           overrides={"TILE": tile},
+                           max_steps=16 * tile * tile)
+        _check_inputs_kept(ex, what, a=(a, a0))
+        if np.isnan(out).any():
+            r, c = (int(v[0]) for v in np.nonzero(np.isnan(out)))
+            fail(ex, f"every element of out written ({what})",
+                 f"out[{r}, {c}] never written",
+                 "each block writes the TILE x TILE tile of out at row "
+                 "blockIdx.x * TILE, column blockIdx.y * TILE; use TILE (the "
+                 "check sets it to 8 and 16), not a number")
+        if not np.array_equal(out, a0.T):
+            r, c = (int(v[0]) for v in np.nonzero(out != a0.T))
+            fail(ex, f"out[{r}, {c}] = a[{c}, {r}] = {float(a0[c, r])!r} ({what})",
+                 repr(float(out[r, c])), _transpose_hint(out, a0, tile))
+        got = traces(launch, np.dtype(dtype).itemsize)
+        ideal = _ideal_transpose(h, w, tile, np.dtype(dtype).itemsize)
+        for kind, trace in got.items():
+            if trace.sectors_per_request > 1.05 * ideal[kind].sectors_per_request:
+                fail(ex, f"{ideal[kind].sectors_per_request:.1f} sectors per "
+                         f"warp request for the global {kind} ({what}), as a "
+                         "tiled transpose",
+                     f"{trace.sectors_per_request:.1f}",
+                     "the threads of a warp read a along a row (threadIdx.x "
+                     "picks the column of a)" if kind == "reads" else
+                     "the threads of a warp write out along a row: "
+                     "threadIdx.x must pick the column of out, so the tile "
+                     "is read transposed (tile[threadIdx.x, threadIdx.y]) "
+                     "and the block's place in out swaps blockIdx.x and "
+                     "blockIdx.y")
+            _check_requests(ex, kind, trace, ideal[kind], what)
     note = "Reads and writes are both coalesced; the tile turns the corner."
     if kernel_target() == "GPU":
         note += " " + _run_transpose_on_gpu(ex, transpose, fn)
