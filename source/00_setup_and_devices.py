@@ -1003,26 +1003,37 @@ print("3-D input, no dim: sums to 1 across the batch (dim 0):",
 #
 # ## Exercises
 #
-# ### Exercise 0.1: run anywhere
+# ### Exercise 0.1: move a whole batch
 #
-# Write `run_on(model, batch, device)`: move the model and the batch to
-# `device`, run the model on the batch, and return the output (left on
-# `device`). The model you are given must be on `device` afterwards, buffers
-# included, as a training loop needs it. It is checked on the `meta` device -
-# so a batch or a model left behind is caught on any machine - and on the
-# best device this machine has.
+# A data loader rarely yields one tensor: a batch is a dict of images and
+# labels, a tuple of inputs, a namedtuple, with strings and numbers beside the
+# tensors. Write `move_batch(batch, device)`, the helper every training loop
+# needs: it returns the same structure - dicts with the same keys, lists,
+# tuples and namedtuples of the same types, nested at any depth - with every
+# tensor moved to `device` (same dtype, same values), and everything else
+# (strings, numbers, `None`) as it was. The caller's batch must not change.
+# Given a module, it moves it and returns it, as `module.to` does. It is
+# checked on the `meta` device - so a tensor left behind is caught on any
+# machine - and on the best device this machine has.
 
 # %% tags=["exercise"] exercise="0.1"
-def run_on(model, batch, device):
+def move_batch(batch, device):
     ### BEGIN SOLUTION
-    model.to(device)
-    return model(batch.to(device))
+    if isinstance(batch, (torch.Tensor, nn.Module)):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: move_batch(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(move_batch(value, device) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_batch(value, device) for value in batch)
+    return batch  # a string, a number, None: nothing to move
     ### END SOLUTION
 
 # %% tags=["check"] exercise="0.1"
-from course_utils.checks.ch00 import check_memory_held, check_run_on
+from course_utils.checks.ch00 import check_memory_held, check_move_batch
 
-check_run_on(run_on)
+check_move_batch(move_batch)
 
 # %% [markdown]
 # ### Exercise 0.2: how much memory do these tensors hold?

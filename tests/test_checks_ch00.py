@@ -6,9 +6,8 @@ import time
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call
 
-from course_utils.checks.ch00 import check_add_ramp, check_memory_held, check_run_on
+from course_utils.checks.ch00 import check_add_ramp, check_memory_held, check_move_batch
 from course_utils.exercises import ExerciseFailed
 
 
@@ -20,124 +19,225 @@ def failure(check, answer) -> str:
 
 # 0.1 -----------------------------------------------------------------------
 
-def run_on_in_place(model, batch, device):
-    model.to(device)
-    return model(batch.to(device))
+def move_match(batch, device):  # structural pattern matching
+    match batch:
+        case torch.Tensor() | nn.Module():
+            return batch.to(device)
+        case dict():
+            return {k: move_match(v, device) for k, v in batch.items()}
+        case tuple() if hasattr(batch, "_make"):
+            return batch._make(move_match(v, device) for v in batch)
+        case list() | tuple():
+            return type(batch)([move_match(v, device) for v in batch])
+        case _:
+            return batch
 
 
-def run_on_reassign(model, batch, device):
-    model = model.to(device)
-    batch = batch.to(device)
-    out = model(batch)
+def move_with_pytree(batch, device):  # torch's own tree utilities
+    from torch.utils import _pytree as pytree
+
+    if isinstance(batch, nn.Module):
+        return batch.to(device)
+    return pytree.tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+class Mover:  # a class, with a dispatch table and non_blocking copies
+    def __call__(self, batch, device):
+        self.device = device
+        return self.move(batch)
+
+    def move(self, x):
+        if isinstance(x, torch.Tensor):
+            return x.to(self.device, non_blocking=True)
+        if isinstance(x, nn.Module):
+            x.to(self.device)
+            return x
+        if isinstance(x, dict):
+            return type(x)((k, self.move(v)) for k, v in x.items())
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(**{f: self.move(v) for f, v in zip(x._fields, x,
+                                                              strict=True)})
+        if isinstance(x, (list, tuple)):
+            return type(x)(map(self.move, x))
+        return x
+
+
+def move_iterative(batch, device):  # copies first, then replaces, no recursion
+    if isinstance(batch, (torch.Tensor, nn.Module)):
+        return batch.to(device)
+    import copy as copy_module
+
+    out = copy_module.copy(batch)
+    stack = [(out, None, None)]
+    fixed = []
+    while stack:
+        obj, parent, key = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            fixed.append((parent, key, obj.to(device)))
+        elif isinstance(obj, dict):
+            new = dict(obj)
+            fixed.append((parent, key, new))
+            stack += [(v, new, k) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple)):
+            new = list(obj)
+            fixed.append((parent, key, (type(obj), new)))
+            stack += [(v, new, i) for i, v in enumerate(obj)]
+    # rebuild from the leaves up
+    for parent, key, value in reversed(fixed):
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
+            kind, items = value
+            value = (kind(*items) if hasattr(kind, "_fields") else kind(items))
+        if parent is None:
+            out = value
+        else:
+            parent[key] = value
     return out
 
 
-def run_on_no_grad(model, batch, device):
-    with torch.no_grad():
-        return model.to(device=device)(batch.to(device=device))
-
-
-def run_on_apply(model, batch, device):
-    model.apply(lambda m: m.to(device))  # every submodule, each in place
-    return model.forward(torch.as_tensor(batch, device=device))
-
-
-class RunOn:  # a callable object instead of a function
-    def __call__(self, model, batch, device):
-        moved = batch.to(device, non_blocking=True)
-        return model.to(device)(moved)
+move_alias = Mover()
 
 
 @pytest.mark.parametrize(
-    "solution", [run_on_in_place, run_on_reassign, run_on_no_grad, run_on_apply,
-                 RunOn()])
-def test_run_on_accepts_correct(solution, capsys):
-    check_run_on(solution)
+    "solution", [move_match, move_with_pytree, Mover(), move_iterative, move_alias])
+def test_move_batch_accepts_correct(solution, capsys):
+    check_move_batch(solution)
     assert "passed" in capsys.readouterr().out
 
 
-def run_on_batch_not_assigned(model, batch, device):
-    model.to(device)
-    batch.to(device)  # the result is thrown away
-    return model(batch)
+def move_top_level_only(batch, device):  # no recursion
+    if isinstance(batch, dict):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+    return batch.to(device) if hasattr(batch, "to") else batch
 
 
-def run_on_ignores_device(model, batch, device):
-    return model(batch)
+def move_lists_only(batch, device):  # every sequence becomes a list
+    if isinstance(batch, (torch.Tensor, nn.Module)):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: move_lists_only(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return [move_lists_only(v, device) for v in batch]
+    return batch
 
 
-def run_on_hard_coded_cuda(model, batch, device):
-    model.to("cuda")
-    return model(batch.to("cuda"))
+def move_breaks_namedtuple(batch, device):  # type(t)(generator) for a namedtuple
+    if isinstance(batch, (torch.Tensor, nn.Module)):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: move_breaks_namedtuple(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_breaks_namedtuple(v, device) for v in batch)
+    return batch
 
 
-def run_on_returns_cpu(model, batch, device):
-    model.to(device)
-    return model(batch.to(device)).cpu()
+def move_walks_strings(batch, device):  # any iterable is a container
+    if isinstance(batch, (torch.Tensor, nn.Module)):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: move_walks_strings(v, device) for k, v in batch.items()}
+    if hasattr(batch, "_fields"):
+        return type(batch)(*(move_walks_strings(v, device) for v in batch))
+    if hasattr(batch, "__iter__"):
+        return type(batch)(move_walks_strings(v, device) for v in batch) \
+            if not isinstance(batch, str) else "".join(
+                move_walks_strings(c, device) if len(c) > 1 else c.upper()
+                for c in batch)
+    return batch
 
 
-def run_on_moves_output_only(model, batch, device):
-    return model(batch).to(device)  # computed on the CPU, the model never moved
+def _move_floats(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, torch.float32)
+    if isinstance(batch, dict):
+        return {k: _move_floats(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_move_floats(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_move_floats(v, device) for v in batch)
+    return batch.to(device) if isinstance(batch, nn.Module) else batch
 
 
-def run_on_moves_a_copy(model, batch, device):
-    return copy.deepcopy(model).to(device)(batch.to(device))
+def _with(tensor_fn, module_fn=lambda m, d: m.to(d)):
+    """A mover that is right except for what it does to a tensor or module."""
+    def move(batch, device):
+        if isinstance(batch, torch.Tensor):
+            return tensor_fn(batch, device)
+        if isinstance(batch, nn.Module):
+            return module_fn(batch, device)
+        if isinstance(batch, dict):
+            return {k: move(v, device) for k, v in batch.items()}
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+            return type(batch)(*(move(v, device) for v in batch))
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(move(v, device) for v in batch)
+        return batch
+    return move
 
 
-def run_on_parameters_only(model, batch, device):
-    for module in model.modules():  # the BatchNorm buffers stay behind
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(p.detach().to(device)))
-    return model(batch.to(device))
+def move_in_place(batch, device):  # writes the moved tensors into the caller's
+    if isinstance(batch, dict):
+        for k, v in batch.items():
+            batch[k] = move_in_place(v, device)
+        return batch
+    if isinstance(batch, list):
+        for i, v in enumerate(batch):
+            batch[i] = move_in_place(v, device)
+        return batch
+    return move_match(batch, device)
 
 
-def run_on_functional_call(model, batch, device):
-    params = {k: v.to(device) for k, v in model.state_dict().items()}
-    return functional_call(model, params, (batch.to(device),))
+def _params_only(m, device):  # new Parameter objects; the buffers stay behind
+    for mod in m.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, name, nn.Parameter(p.detach().to(device)))
+    return m
 
 
-def run_on_moves_the_batch_in_place(model, batch, device):
-    model.to(device)
-    if device.type != "meta":
-        batch.mul_(1.0001)  # "normalises" the caller's batch
-    return model(batch.to(device))
+move_ignores_device = _with(lambda t, d: t)
+move_hard_coded_cuda = _with(lambda t, d: t.cuda())
+move_module_copy = _with(lambda t, d: t.to(d),
+                         lambda m, d: copy.deepcopy(m).to(d))
+move_module_params_only = _with(lambda t, d: t.to(d), _params_only)
+move_to_numpy_and_back = _with(lambda t, d: torch.as_tensor(t.tolist(), device=d))
 
 
-def run_on_float32(model, batch, device):  # forces float32 on the way
-    return model.to(device, torch.float32)(batch.to(device, torch.float32))
+def move_drops_plain_values(batch, device):
+    if isinstance(batch, dict):
+        return {k: move_drops_plain_values(v, device) for k, v in batch.items()
+                if isinstance(v, (torch.Tensor, dict, list, tuple))}
+    return move_match(batch, device)
 
 
-_FIRST = {}
-
-
-def run_on_remembers(model, batch, device):  # the first output, kept per device
-    model.to(device)
-    key = (str(device), id(model))
-    if key not in _FIRST:
-        _FIRST[key] = model(batch.to(device))
-    return _FIRST[key]
+def move_sorted_keys(batch, device):  # keys sorted on the way
+    if isinstance(batch, dict):
+        return {k: move_sorted_keys(batch[k], device) for k in sorted(batch)}
+    return move_match(batch, device)
 
 
 @pytest.mark.parametrize(
     "mistake, words",
     [
-        (run_on_float32, "float64 output"),
-        (run_on_remembers, "second call"),
-        (run_on_batch_not_assigned, "returns a NEW tensor"),
-        (run_on_ignores_device, "run the model on the device"),
-        (run_on_hard_coded_cuda,
+        (move_top_level_only, "walk into dicts"),
+        (move_lists_only, "rebuild each container with its own type"),
+        (move_breaks_namedtuple, "a namedtuple takes its fields"),
+        (move_walks_strings, "a string is a sequence too"),
+        (_move_floats, "a dtype (or .float())"),
+        (move_in_place, "the caller's"),
+        (move_ignores_device, "to the device you are given"),
+        (move_hard_coded_cuda,
          "hard-coded" if not torch.cuda.is_available() else "meta"),
-        (run_on_returns_cpu, "leave the output on the device"),
-        (run_on_moves_output_only, "the model you were given is still where it was"),
-        (run_on_moves_a_copy, "moving a copy"),
-        (run_on_parameters_only, "buffers"),
-        (run_on_functional_call, "still where it was"),
-        (run_on_moves_the_batch_in_place, "batch unchanged"),
-        (lambda m, b, d: "done", "return value"),
+        (move_module_copy, "not a copy"),
+        (move_module_params_only, "buffers"),
+        (move_to_numpy_and_back, "still torch.float64"),
+        (move_drops_plain_values, "keep every key"),
+        (move_sorted_keys, "keep every key, in order"),
+        (lambda b, d: None, "the batch itself"),
     ],
 )
-def test_run_on_names_the_mistake(mistake, words):
-    assert words in failure(check_run_on, mistake)
+def test_move_batch_names_the_mistake(mistake, words):
+    assert words in failure(check_move_batch, mistake)
 
 
 # 0.2 -----------------------------------------------------------------------
@@ -384,7 +484,7 @@ def test_a_learner_that_never_returns_is_stopped(monkeypatch):
 
     monkeypatch.setattr(ch00, "TIMEOUT_S", 0.5)
 
-    def run_on_forever(model, batch, device):  # as good as for ever, here
+    def move_forever(batch, device):  # as good as for ever, here
         time.sleep(3)
 
-    assert "within" in failure(check_run_on, run_on_forever)
+    assert "within" in failure(check_move_batch, move_forever)

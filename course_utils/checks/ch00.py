@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 import threading
+from collections import namedtuple
 
 import torch
 from torch import nn
 
 from course_utils.devices import try_gpu
 from course_utils.exercises import (
-    ExerciseFailed,
     call_learner,
     check_close,
     check_device,
@@ -19,22 +18,6 @@ from course_utils.exercises import (
     fail,
     passed,
 )
-
-MOVE_BOTH = (
-    "move the model AND the batch; tensor.to(device) returns a NEW tensor, "
-    "so assign it: batch = batch.to(device)"
-)
-HINTS = {
-    "not on the expected device": MOVE_BOTH,
-    "Expected all tensors to be on the same device": MOVE_BOTH,
-    "not compiled with CUDA": "use the device you are given instead of a hard-coded "
-    "'cuda': it is not always a GPU",
-    "when none is available": "use the device you are given instead of a "
-    "hard-coded 'cuda': it is not always a GPU",
-    "Cannot copy out of meta tensor": "leave the output on the device you were given "
-    "(no .cpu(), .item() or .numpy() on it)",
-}
-
 
 TIMEOUT_S = 20.0
 
@@ -60,20 +43,162 @@ def _guarded(ex: str, fn, *args, hints=None):
     return out["value"]
 
 
-def _model_and_batch(seed: int, n_in: int, rows: int,
-                     dtype: torch.dtype = torch.float32):
-    """A small model with a buffer (BatchNorm's running statistics) and a batch."""
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(
-        nn.Linear(n_in, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-        model[1].running_mean.copy_(torch.randn(16, generator=g))
-        model[1].running_var.copy_(torch.rand(16, generator=g) + 0.5)
-    model.eval()  # the buffers are used, not updated
-    return model.to(dtype), torch.randn(rows, n_in, generator=g, dtype=dtype)
+# --- Exercise 0.1: move a nested batch -------------------------------------------
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+def _path(path: str) -> str:
+    return f"batch{path}" if path else "the batch itself"
+
+
+def _batches(g: torch.Generator):
+    """Nested batches of every kind a data loader yields, and a module."""
+    first = {
+        "image": torch.randn(2, 3, generator=g),
+        "label": torch.arange(2),
+        "extra": {"ids": [torch.tensor(1.5), torch.randn(3, dtype=torch.float64,
+                                                           generator=g)],
+                  "name": "cat", "n": 3, "scale": 0.5, "none": None},
+        "pair": (torch.ones(2, 2, dtype=torch.float16),
+                 torch.zeros(1, dtype=torch.bool)),
+        "point": Point(torch.randn(4, generator=g)[1::2], 7),
+    }
+    second = [Point(torch.randn(3, 2, generator=g).t(), "word"),
+              (torch.randint(0, 9, (5,), generator=g),),
+              {"deep": [[torch.randn(1, generator=g)]], "empty": []}, 42]
+    return [first, second, torch.randn(3, generator=g), "just text"]
+
+
+def _snapshot(obj):
+    """A deep copy of every tensor, to prove later that none was changed."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_snapshot(v) for v in obj]
+    return obj
+
+
+def _unchanged(ex: str, obj, snap, path: str = "") -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu" or not torch.equal(obj, snap):
+            fail(ex, f"the caller's {_path(path)} unchanged (on the CPU, same values)",
+                 f"it is now on {obj.device}" if obj.device.type != "cpu" else
+                 "its values changed", "tensor.to(device) returns a NEW tensor: "
+                 "build a new batch from the moved tensors, do not write into the "
+                 "old one (no .data = ..., no copy_ into it)")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _unchanged(ex, v, snap[k], f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, (v, sv) in enumerate(zip(obj, snap, strict=True)):
+            _unchanged(ex, v, sv, f"{path}[{i}]")
+
+
+def _same_place(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and device.index in (None, t.device.index)
+
+
+def _compare(ex: str, got, src, device: torch.device, path: str = "") -> None:
+    """``got`` must be ``src`` with every tensor moved to ``device``."""
+    where = _path(path)
+    if isinstance(src, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            fail(ex, f"{where} a tensor on {device}", f"a {type(got).__name__}: "
+                 f"{got!r:.60}", "move each tensor with .to(device) and keep it a "
+                 "tensor")
+        if not _same_place(got, device):
+            fail(ex, f"{where} on {device}", f"on {got.device}",
+                 "every tensor, however deep in the batch, goes to the device: "
+                 "walk into dicts, lists and tuples (recursion)" if
+                 path.count("[") > 1 else "move each tensor with .to(device), to "
+                 "the device you are given")
+        if got.dtype != src.dtype:
+            fail(ex, f"{where} still {src.dtype}", f"{got.dtype}",
+                 "move with .to(device) only: a dtype (or .float()) changes the "
+                 "data, and labels must stay integers")
+        if tuple(got.shape) != tuple(src.shape):
+            fail(ex, f"{where} of shape {tuple(src.shape)}", f"{tuple(got.shape)}")
+        if device.type != "meta" and not torch.equal(got.cpu(), src):
+            fail(ex, f"{where} with the same values", "other values",
+                 "move the tensor; do not change it")
+        return
+    if isinstance(src, str):
+        if got is not src and got != src:
+            fail(ex, f"{where} the string {src!r}, untouched", f"{got!r:.60}",
+                 "a string is a sequence too: leave strings (and anything that is "
+                 "not a tensor or a container) as they are")
+        return
+    if isinstance(src, (dict, list, tuple)):
+        if type(got) is not type(src):
+            fail(ex, f"{where} a {type(src).__name__}, as given",
+                 f"a {type(got).__name__}",
+                 "rebuild each container with its own type: type(x)(...), and "
+                 "type(x)(*items) for a namedtuple")
+        if isinstance(src, dict):
+            if list(got) != list(src):
+                fail(ex, f"{where} with the keys {list(src)}", f"keys {list(got)}",
+                     "keep every key, in order")
+            for k in src:
+                _compare(ex, got[k], src[k], device, f"{path}[{k!r}]")
+            return
+        if len(got) != len(src):
+            fail(ex, f"{where} of length {len(src)}", f"length {len(got)}")
+        for i, (g, v) in enumerate(zip(got, src, strict=True)):
+            _compare(ex, g, v, device, f"{path}[{i}]")
+        return
+    if got is not src and got != src:
+        fail(ex, f"{where} = {src!r}, untouched", f"{got!r:.60}",
+             "leave what is not a tensor as it is")
+
+
+def check_move_batch(move_batch) -> None:
+    """Exercise 0.1: ``move_batch(batch, device)`` moves a nested batch.
+
+    Batches of dicts, lists, tuples and namedtuples holding tensors of several
+    dtypes (float16/32/64, int64, bool; views among them) and plain values
+    (strings, numbers, None) must come back with the same structure and
+    types, every tensor on the device with its dtype and values, and plain
+    values untouched; the caller's batch must not change. A module is moved
+    in place and returned. Checked on ``meta`` (so a tensor left on the CPU
+    is caught on any machine) and on the best device here, twice over.
+    """
+    ex = "0.1"
+    g = torch.Generator().manual_seed(0)
+    devices = [torch.device("meta"), try_gpu()]
+    for device in devices:
+        for batch in _batches(g):
+            snap = _snapshot(batch)
+            got = _guarded(ex, move_batch, batch, device, hints=HINTS)
+            _unchanged(ex, batch, snap)
+            _compare(ex, got, batch, device)
+        model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+        got = _guarded(ex, move_batch, model, device, hints=HINTS)
+        if got is not model:
+            fail(ex, "the same module, moved in place (module.to returns itself)",
+                 f"a {type(got).__name__} that is not the module given",
+                 "module.to(device) moves a module in place and returns it: "
+                 "return that, not a copy")
+        _check_model_moved(ex, model, device)
+    passed(ex, f"Nested batches and a module moved to meta and {devices[-1]}; "
+               "structure, dtypes and plain values kept.")
+
+
+HINTS = {
+    "Expected all tensors to be on the same device": "move every tensor",
+    "not compiled with CUDA": "use the device you are given instead of a hard-coded "
+    "'cuda': it is not always a GPU",
+    "when none is available": "use the device you are given instead of a "
+    "hard-coded 'cuda': it is not always a GPU",
+    "Cannot copy out of meta tensor": "leave the moved tensors on the device you "
+    "were given (no .cpu(), .item() or .numpy() on them)",
+    "maximum recursion depth": "a one-character string contains itself: do not "
+    "walk into strings",
+    "__new__() missing": "a namedtuple takes its fields as separate arguments: "
+    "type(x)(*items), not type(x)(generator)",
+}
 
 
 def _where(model: nn.Module) -> set[torch.device]:
@@ -81,89 +206,21 @@ def _where(model: nn.Module) -> set[torch.device]:
 
 
 def _check_model_moved(ex: str, model: nn.Module, device: torch.device) -> None:
-    """The model the learner was given must be on ``device`` afterwards."""
+    """The module the learner was given must be on ``device`` afterwards."""
     seen = _where(model)
-    moved = all(d.type == device.type and device.index in (None, d.index)
-                for d in seen)
-    if moved:
+    if all(_same_place(t, device) for t in
+           list(model.parameters()) + list(model.buffers())):
         return
     params = {p.device for p in model.parameters()}
     if all(d.type == device.type for d in params):
         hint = ("the parameters moved but the buffers (BatchNorm's running "
                 "statistics) did not: move the module itself with "
-                "model.to(device), which moves both")
+                "module.to(device), which moves both")
     else:
-        hint = ("the model you were given is still where it was: move it with "
-                "model.to(device) (computing on the CPU and moving only the "
-                "output, or moving a copy, leaves the model behind)")
-    fail(ex, f"the model's parameters and buffers on {device} afterwards",
+        hint = ("the module you were given is still where it was: move it with "
+                "module.to(device)")
+    fail(ex, f"the module's parameters and buffers on {device} afterwards",
          f"on {', '.join(sorted(map(str, seen)))}", hint)
-
-
-def _call_run_on(ex, run_on, model, batch, device):
-    """Call the learner; a device error with only the buffers behind says so."""
-    try:
-        return _guarded(ex, run_on, model, batch, device, hints=HINTS)
-    except ExerciseFailed:
-        params = {p.device.type for p in model.parameters()}
-        buffers = {b.device.type for b in model.buffers()}
-        if params == {device.type} and buffers != {device.type}:
-            _check_model_moved(ex, model, device)  # names the buffers left behind
-        raise
-
-
-def check_run_on(run_on) -> None:
-    """Exercise 0.1: ``run_on(model, batch, device)`` moves both and runs the model.
-
-    It is called first on the ``meta`` device, which holds shapes but no data,
-    so a batch left behind on the CPU is caught on any machine; then on the
-    best real device, where the values must match the CPU result. Each time
-    the model it was given must be on the device afterwards (a model with a
-    buffer, so moving only the parameters is caught too).
-    """
-    ex = "0.1"
-    for seed, n_in, rows, dtype in ((0, 8, 5, torch.float32), (1, 5, 7, torch.float32),
-                                    (2, 6, 3, torch.float64)):
-        model, batch = _model_and_batch(seed, n_in, rows, dtype)
-        with torch.no_grad():
-            expected = model(batch)
-        meta = torch.device("meta")
-        given = copy.deepcopy(model)
-        out = _call_run_on(ex, run_on, given, batch.clone(), meta)
-        check_type(ex, out, torch.Tensor, "run_on's return value")
-        check_device(ex, out, "meta", "the output for device='meta'",
-                     hint="run the model on the device you are given and return "
-                          "its output")
-        check_shape(ex, out, expected.shape, "the output")
-        _check_model_moved(ex, given, meta)
-        device = try_gpu()
-        given = copy.deepcopy(model)
-        batch_given = batch.clone()
-        out = _call_run_on(ex, run_on, given, batch_given, device)
-        check_type(ex, out, torch.Tensor, "run_on's return value")
-        check_device(ex, out, device, f"the output for device={device}",
-                     hint="leave the output on the device you were given")
-        _check_model_moved(ex, given, device)
-        if not torch.equal(batch_given, batch):
-            fail(ex, "the caller's batch unchanged", "run_on changed it in place",
-                 "batch.to(device) gives a moved copy; do not write into the batch")
-        if out.dtype != expected.dtype:
-            fail(ex, f"a {expected.dtype} output for a {dtype} model and batch",
-                 f"{out.dtype}", "move with .to(device) only: .float() or a "
-                 "dtype in .to() changes the numbers' precision")
-        check_close(ex, out, expected, rtol=1e-4, atol=1e-5,
-                    what="the model's output",
-                    hint="return model(batch) itself, not a modified copy")
-        # called again with the model already there and a new batch: nothing
-        # may be kept from the first call
-        again = batch.flip(0) * 0.5
-        with torch.no_grad():
-            expected = model(again)
-        out = _call_run_on(ex, run_on, given, again.clone(), device)
-        check_close(ex, out, expected, rtol=1e-4, atol=1e-5,
-                    what="the output of a second call with another batch",
-                    hint="compute the output afresh on every call")
-    passed(ex, f"It ran on meta (shapes only) and on {device}, and moved the model.")
 
 
 def _storage_bytes(tensors) -> int:
