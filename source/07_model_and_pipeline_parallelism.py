@@ -944,7 +944,10 @@ for stage_index, replica, grads in mesh_ranks:
 #   differentiable, and the chain rule can cross the split by hand
 #   (`h.backward(h_in.grad)`), as pipeline stages do.
 # - In one process, micro-batches overlap only on GPUs (asynchronous
-#   launches); stages in separate processes overlap anywhere.
+#   launches); stages in separate processes overlap anywhere. They pass
+#   activations forward and gradients back with send and receive, in orders
+#   that cannot wait on each other: a rank posts its send with its next
+#   receive (`dist.batch_isend_irecv`).
 # - GPipe's bubble is `(p - 1) / (m + p - 1)`, a floor: a measured bubble
 #   below it is a measurement error. Per-micro-batch costs keep the measured
 #   one above it, and on CPU stages they grow each stage's work with `m`, so

@@ -197,7 +197,7 @@ def test_right_two_stage_steps_pass(fn):
 
 
 def gpipe_with(loss_fn=None, zero=True, boundary="grad", micro=True, dtype=None,
-               need_grad=True, returned="total", width=None):
+               need_grad=True, returned="total", width=None, keep_detached=False):
     """A GPipe step with one mistake switched on."""
     def step(stage, rank, x, y, m, hidden):
         import torch
@@ -210,7 +210,7 @@ def gpipe_with(loss_fn=None, zero=True, boundary="grad", micro=True, dtype=None,
             if rank == 0:
                 out = stage(xi if dtype is None else xi.to(dtype))
                 dist.send(out.detach(), 1)
-                saved.append(out)
+                saved.append(out.detach() if keep_detached else out)
             else:
                 h = torch.empty(len(yi), width or hidden, dtype=dtype or x.dtype)
                 dist.recv(h, 0)
@@ -310,26 +310,42 @@ class KeepsTotal:
         return self.total
 
 
-def test_wrong_two_stage_steps_fail(monkeypatch):
+def _float32_only():
     import torch
-    monkeypatch.setattr(ch07, "TIMEOUT_S", 10.0)
-    fails(ch07.check_two_stage_step, gpipe_with(zero=False), "zero_grad", "twice")
-    fails(ch07.check_two_stage_step, gpipe_with(loss_fn=mean_per_micro_batch),
-          "sum of means")
-    fails(ch07.check_two_stage_step, gpipe_with(loss_fn=mean_of_means),
-          "mean of means", "not all the same size")
-    fails(ch07.check_two_stage_step, gpipe_with(boundary="ones"), "ones_like")
-    fails(ch07.check_two_stage_step, gpipe_with(boundary="none"),
-          "stage 0 never ran its backward")
-    fails(ch07.check_two_stage_step, gpipe_with(dtype=torch.float32),
-          "same dtype")
-    fails(ch07.check_two_stage_step, gpipe_with(micro=False), "whole batch")
-    fails(ch07.check_two_stage_step, gpipe_with(need_grad=False), "requires_grad_")
-    fails(ch07.check_two_stage_step, gpipe_with(returned="last"), "returned")
-    fails(ch07.check_two_stage_step, gpipe_with(width=7), "width")
+    return gpipe_with(dtype=torch.float32)
+
+
+WRONG_STEPS = {  # name: (answer, words its failure must contain)
+    "never zeroes the gradients": (gpipe_with(zero=False), ("zero_grad", "twice")),
+    "mean loss per micro-batch": (gpipe_with(loss_fn=mean_per_micro_batch),
+                                  ("sum of means",)),
+    "means divided by m": (gpipe_with(loss_fn=mean_of_means),
+                           ("mean of means", "not all the same size")),
+    "backward with ones": (gpipe_with(boundary="ones"), ("ones_like",)),
+    "no boundary backward": (gpipe_with(boundary="none"),
+                             ("stage 0 never ran its backward",)),
+    "float32 only": (_float32_only(), ("same dtype",)),
+    "whole batch at once": (gpipe_with(micro=False), ("whole batch",)),
+    "received activation without grad": (gpipe_with(need_grad=False),
+                                         ("requires_grad_",)),
+    "returns the last micro-batch's loss": (gpipe_with(returned="last"),
+                                            ("returned",)),
+    "hard-coded width": (gpipe_with(width=7), ("width",)),
+    "loss kept across steps": (KeepsTotal(), ("again",)),
+    "keeps a detached output": (gpipe_with(keep_detached=True), ("out.detach()",)),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG_STEPS))
+def test_wrong_two_stage_steps_fail(name):
+    fn, words = WRONG_STEPS[name]
+    fails(ch07.check_two_stage_step, fn, *words)
+
+
+def test_blocking_sends_in_1f1b_order_fail(monkeypatch):
+    monkeypatch.setattr(ch07, "TIMEOUT_S", 15.0)  # it waits for ever: not 45 s
     fails(ch07.check_two_stage_step, one_f_one_b_blocking, "both ranks to finish",
           "blocking send")
-    fails(ch07.check_two_stage_step, KeepsTotal(), "again")
 
 
 def test_placeholder_two_stage_step_fails_at_once():

@@ -26,7 +26,7 @@ import torch
 from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import call_learner, fail, passed, require_solution
 
-TIMEOUT_S = 30.0  # a rank that waits longer waits for a message nobody sends
+TIMEOUT_S = 45.0  # a rank that waits longer waits for a message nobody sends
 CALL_S = 10.0  # a schedule or a split that takes longer never ends
 
 
@@ -249,6 +249,14 @@ def check_two_stage_step(two_stage_step: Callable) -> None:
             "stage 1's input of width hidden", "an activation of another width",
             "the receive buffer is (rows of this micro-batch, hidden): take the "
             "width from the hidden argument, not a fixed number"),
+        "does not require grad": (
+            "the kept output to carry its graph", "a backward on a tensor without one",
+            "keep stage 0's output itself for the backward, and send a detached "
+            "copy (out.detach())"),
+        "backward through the graph a second time": (
+            "each micro-batch's backward to run once", "a second backward through "
+            "the same graph", "keep nothing from an earlier step: every step builds "
+            "its own lists"),
         "closed by peer": ("both ranks to send and receive the same messages",
                            "one rank ended while the other still waited",
                            "every send needs a receive on the other rank"),
