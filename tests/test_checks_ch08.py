@@ -156,6 +156,11 @@ def test_wrong_scaled_steps_fail():
                                     growth_interval=2)
         step_alias(model, optimizer, mine, x, y, max_norm)
 
+    def fresh_optimizer(model, optimizer, scaler, x, y, max_norm):
+        lr = optimizer.param_groups[0]["lr"]
+        mine = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        step_alias(model, mine, scaler, x, y, max_norm)
+
     def float32_only(model, optimizer, scaler, x, y, max_norm):
         step_alias(model, optimizer, scaler, x.float(), y.float(), max_norm)
 
@@ -201,6 +206,7 @@ def test_wrong_scaled_steps_fail():
     fails(ch08.check_scaled_step, sum_loss, "not the sum")
     fails(ch08.check_scaled_step, new_scaler_each_call, "made inside your function")
     fails(ch08.check_scaled_step, float32_only, "float64 here")
+    fails(ch08.check_scaled_step, fresh_optimizer, "the optimizer you are given")
     fails(ch08.check_scaled_step, skips_on_the_loss, "scale")
     fails(ch08.check_scaled_step, update_before_step, "before scaler.update()")
     fails(ch08.check_scaled_step, inf_check_by_hand, "never changed")
@@ -317,7 +323,7 @@ def _function(forward, backward):
 
 def _wrong_recompute(save_rng=True, grad_of_sum=False, params_too=True,
                      accumulate_and_return=False, recomputes=1, enable_grad=True,
-                     keep_first=False):
+                     keep_first=False, restore_rng=True):
     def recompute(segment, x):
         params = list(segment.parameters())
 
@@ -331,12 +337,15 @@ def _wrong_recompute(save_rng=True, grad_of_sum=False, params_too=True,
 
         def backward(ctx, grad):
             inp, _ = ctx.saved_tensors
+            now = torch.get_rng_state()
             for _ in range(recomputes):
                 if save_rng:
                     torch.set_rng_state(ctx.rng)
                 with torch.set_grad_enabled(enable_grad):
                     i2 = inp.detach().requires_grad_()
                     out = segment(i2)
+            if restore_rng:
+                torch.set_rng_state(now)
             wrt = [i2, *params] if params_too else [i2]
             g = grad if not grad_of_sum else torch.ones_like(out)
             if accumulate_and_return:
@@ -380,6 +389,7 @@ def test_wrong_recomputations_fail():
     fails(check, _wrong_recompute(recomputes=2), "ran 3 times")
     fails(check, _wrong_recompute(enable_grad=False), "enable_grad")
     fails(check, _wrong_recompute(keep_first=True), "bytes held")
+    fails(check, _wrong_recompute(restore_rng=False), "repeats masks")
 
 
 # ---------------------------------------------------------------- 8.3
@@ -545,6 +555,21 @@ def test_wrong_offloads_fail():
         with torch.no_grad():
             return offload_uuid(fn, x, folder)
 
+    def names_by_shape(fn, x, folder):
+        def pack(t):
+            path = os.path.join(folder, "x".join(map(str, t.shape)) + ".pt")
+            torch.save(t, path)
+            return path
+
+        def unpack(path):
+            t = torch.load(path, weights_only=True)
+            if os.path.exists(path):
+                os.remove(path)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(x)
+
     def clears_folder_after_forward(fn, x, folder):
         out = offload_counter(fn, x, folder)
         for name in os.listdir(folder):
@@ -563,6 +588,7 @@ def test_wrong_offloads_fail():
     fails(check, own_temp_dir, "empty folder")
     fails(check, no_grad, "no graph")
     fails(check, clears_folder_after_forward, "only once it has been read back")
+    fails(check, names_by_shape, "names repeat")
     elsewhere.cleanup()
 
 

@@ -128,25 +128,26 @@ def _step_batches(dtype, mixed):
     return out
 
 
-STEP_CASES = [  # what, dtype, mixed magnitudes, init_scale, max_norm
-    ("float32, moderate inputs", torch.float32, False, 1024.0, 0.05),
-    ("float64, inputs from 1e-3 to 1e3", torch.float64, True, 8.0, 0.3),
-    ("float32, no clipping needed", torch.float32, False, 4.0, 1e6),
+STEP_CASES = [  # what, dtype, mixed magnitudes, init_scale, max_norm, lr
+    ("float32, moderate inputs", torch.float32, False, 1024.0, 0.05, 0.1),
+    ("float64, inputs from 1e-3 to 1e3", torch.float64, True, 8.0, 0.3, 0.03),
+    ("float32, no clipping needed", torch.float32, False, 4.0, 1e6, 0.05),
     ("float32, a scale so large that gradients overflow", torch.float32, False,
-     2.0**127, 1.0),
+     2.0**127, 1.0, 0.02),
 ]
 
 
 def _scaled_step_body(scaled_step) -> None:
     ex = "8.1"
-    for what, dtype, mixed, init_scale, max_norm in STEP_CASES:
+    for what, dtype, mixed, init_scale, max_norm, lr in STEP_CASES:
         torch.manual_seed(0)
         base = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).to(dtype)
         ref, mine = copy.deepcopy(base), copy.deepcopy(base)
         for p in mine.parameters():  # left over from an earlier step
             p.grad = torch.full_like(p, 0.5)
-        opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
-        opt_m = torch.optim.SGD(mine.parameters(), lr=0.1)
+        # momentum: an optimizer made afresh inside the step loses its state
+        opt_r = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+        opt_m = torch.optim.SGD(mine.parameters(), lr=lr, momentum=0.9)
         kw = {"init_scale": init_scale, "growth_interval": 2}
         s_ref, s_mine = torch.amp.GradScaler("cpu", **kw), torch.amp.GradScaler(
             "cpu", **kw)
@@ -154,6 +155,7 @@ def _scaled_step_body(scaled_step) -> None:
             start = copy.deepcopy(mine.state_dict())
             old_grads = [None if p.grad is None else p.grad.clone()
                          for p in mine.parameters()]
+            old_opt = copy.deepcopy(opt_m.state_dict())
             scale = s_mine.get_scale()
             _solution_step(ref, opt_r, s_ref, x, y, max_norm)
             call_learner(ex, scaled_step, mine, opt_m, s_mine, x.clone(), y.clone(),
@@ -166,6 +168,11 @@ def _scaled_step_body(scaled_step) -> None:
                              "No inf checks": "call scaler.step(optimizer) before "
                                               "scaler.update(): it records the inf "
                                               "check that update needs"})
+            if opt_r.state and not opt_m.state:
+                fail(ex, "a step through the optimizer you are given", "its state "
+                     "still empty (no momentum buffer)", "use the optimizer you are "
+                     "given: it keeps state between steps (momentum here), a new one "
+                     "starts afresh")
             finite = all(torch.isfinite(t).all() for t in (x, y))
             where = f"{what}, call {k + 1} with the same scaler"
             after = mine.state_dict()
@@ -195,7 +202,8 @@ def _scaled_step_body(scaled_step) -> None:
                     trial.load_state_dict(start)
                     for tp, g in zip(trial.parameters(), old_grads, strict=True):
                         tp.grad = g
-                    opt_t = torch.optim.SGD(trial.parameters(), lr=0.1)
+                    opt_t = torch.optim.SGD(trial.parameters(), lr=lr, momentum=0.9)
+                    opt_t.load_state_dict(old_opt)
                     _variant_step(trial, opt_t, x, y, max_norm, scale, variant)
                     if all(_same(a, b, 1e-4, 1e-6) for a, b in zip(
                             trial.parameters(), mine.parameters(), strict=True)):
@@ -293,6 +301,7 @@ def _chain_step(forward, blocks, x, w, seed, ex=None):
                 "does not require grad": "recompute under torch.enable_grad(): "
                                          "backward runs with gradients off"})
     grads = [x.grad] + [p.grad for p in blocks.parameters()]
+    _chain_step.rng_after = torch.get_rng_state()
     return h, grads, held, live.peak, [b[0].runs for b in blocks]
 
 
@@ -308,6 +317,7 @@ def _plain_step(blocks, x, w, seed):
     for b in blocks:
         h = b(h)
     (h * w).sum().backward()
+    _plain_step.rng_after = torch.get_rng_state()
     return h.detach(), [x.grad] + [p.grad for p in blocks.parameters()]
 
 
@@ -338,10 +348,12 @@ def _recompute_body(recompute) -> None:
             x.requires_grad_(needs_grad)
             seed = 100 + call
             out_p, grads_p = _plain_step(blocks, x, w, seed)
+            rng_p = _plain_step.rng_after
             held_p, peak_p, held_r, peak_r = _baseline(blocks, x, w, seed)
             where = f"{what}, call {call}"
             out, grads, held, peak, runs = _chain_step(recompute, blocks, x, w, seed,
                                                        ex)
+            rng = _chain_step.rng_after
             if not isinstance(out, torch.Tensor) or not _same(out, out_p):
                 fail(ex, f"recompute(block, x) equal to block(x) ({where})",
                      "a different output" if isinstance(out, torch.Tensor) else
@@ -353,8 +365,10 @@ def _recompute_body(recompute) -> None:
                      "an output with no graph (computed under no_grad, or detached)",
                      "run the block without a graph in the forward, but give the "
                      "output one: a torch.autograd.Function whose backward "
-                     "recomputes (torch.utils.checkpoint with use_reentrant=True "
-                     "gives none when the input needs no gradient)")
+                     "recomputes" + ("" if needs_grad else ", with the parameters "
+                                     "among its inputs: here x needs no gradient "
+                                     "(torch.utils.checkpoint's use_reentrant=True "
+                                     "gives no graph then)"))
             _check_recompute_grads(ex, where, grads, grads_p, dropout,
                                    dropout_free_passed, blocks, x, seed)
             if any(r != 2 for r in runs):
@@ -377,6 +391,12 @@ def _recompute_body(recompute) -> None:
                      f" {peak_p:,} without recomputation)", f"{peak:,} bytes",
                      "in backward, recompute one block at a time and let its "
                      "activations go before the next")
+            if dropout and not torch.equal(rng, rng_p):
+                fail(ex, f"the random state after the step where a plain step leaves "
+                     f"it ({where})", "another state",
+                     "restore the random state after recomputing (or recompute "
+                     "inside torch.random.fork_rng()): else the next step's dropout "
+                     "repeats masks of this one")
         dropout_free_passed = dropout_free_passed or dropout == 0
 
 
@@ -419,9 +439,9 @@ def check_recompute(recompute) -> None:
 # ---------------------------------------------------------------- exercise 8.3
 
 
-def _activation_bytes(model, x) -> int:
+def _activation_bytes(model, x) -> tuple[int, int]:
     """Bytes autograd saves while model(x) runs, each storage once, parameters
-    left out."""
+    left out; and how many such storages."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = {}
 
@@ -433,7 +453,7 @@ def _activation_bytes(model, x) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x)
-    return sum(held.values())
+    return sum(held.values()), len(held)
 
 
 def _folder_bytes(folder) -> tuple[int, int]:
@@ -472,7 +492,7 @@ def _offload_body(offloaded) -> None:
         sum((o * w).sum() for o in outs_p).backward()
         grads_p = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        saved = _activation_bytes(model, xs[0])
+        saved, n_saved = _activation_bytes(model, xs[0])
         out_bytes = outs_p[0].numel() * outs_p[0].element_size()
         with tempfile.TemporaryDirectory(prefix="ch08_check_") as folder:
             with LiveBytes() as live:
@@ -503,6 +523,12 @@ def _offload_body(offloaded) -> None:
                     pass
                 fail(ex, f"the saved tensors in files in `folder` after the forward "
                      f"({what})", "an empty folder", hint)
+            if n1 < n_saved:
+                fail(ex, f"at least {n_saved} files after the forward, one per tensor "
+                     f"saved ({what})", f"{n1} files",
+                     "some file names repeat, so one tensor overwrote another: give "
+                     "every file a name no other pack uses (a counter, uuid4, "
+                     "tempfile.mkstemp)")
             if disk1 < saved:
                 fail(ex, f"at least the {saved:,} bytes autograd saved, on disk "
                      f"({what})", f"{disk1:,} bytes in {n1} files",
