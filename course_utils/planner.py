@@ -25,6 +25,7 @@ all-reduce across nodes (each GPU's own InfiniBand port), since
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from course_utils import predict, reference
@@ -38,6 +39,22 @@ NETWORK_KEY = "ndr_infiniband.bandwidth_per_direction_gbps"
 # (weights, gradients, optimizer state) bytes per parameter; activation bytes
 PRECISIONS = {"bf16 + fp32 master + Adam": ((2, 2, 12), 2),
               "fp32 + Adam": ((4, 4, 8), 4)}
+
+
+@functools.cache
+def _value(key: str) -> float:
+    """A published value, looked up once (the planner asks thousands of times)."""
+    return reference.published(key).value
+
+
+@functools.cache
+def _peak_key(gpu: str) -> str:
+    return predict.peak_key(gpu, MATH[gpu])
+
+
+@functools.cache
+def _achieved_flops(gpu: str) -> float:
+    return predict.achieved_flops(gpu, MATH[gpu])
 
 
 @dataclass(frozen=True)
@@ -159,7 +176,7 @@ def network_allreduce_seconds(nbytes: float, n: int) -> reference.Figure:
     """
     if n < 1:
         raise ValueError(f"n must be at least 1, not {n}")
-    bw = reference.published(NETWORK_KEY).value * 1e9
+    bw = _value(NETWORK_KEY) * 1e9
     t = 0.0 if n == 1 else (predict.collective_latency()
                             + 2 * (n - 1) / n * nbytes / bw)
     return reference.predicted(
@@ -173,13 +190,12 @@ def network_allreduce_seconds(nbytes: float, n: int) -> reference.Figure:
 def step_parts(model: Decoder, layout: Layout, gpu: str, seq: int, global_batch: int,
                gpus_per_node: int = 8) -> dict[str, float]:
     """Seconds of one step by part: compute with the bubble, TP, DP, PP traffic."""
-    math = MATH[gpu]
     tokens = global_batch * seq
     # 6 N per token for the matmuls, 12 L s d for attention (Narayanan et al. 2021)
     flops = tokens * (6 * model.params() + 12 * model.layers * seq * model.dim)
     if layout.recompute:  # one more forward: 8 N instead of 6 N
         flops *= 8 / 6
-    compute = flops / layout.gpus / predict.achieved_flops(gpu, math)
+    compute = flops / layout.gpus / _achieved_flops(gpu)
     m = microbatches(layout, global_batch)
     compute = predict.pipeline_seconds(compute, layout.pp, m) * layout.pp if (
         layout.pp > 1) else compute
@@ -200,7 +216,7 @@ def step_parts(model: Decoder, layout: Layout, gpu: str, seq: int, global_batch:
         parts["data parallel"] = ar * (1.5 if layout.sharded else 1.0)
     if layout.pp > 1:
         act = 2 * mb_tokens * model.dim / layout.tp
-        bw = reference.published(NETWORK_KEY).value * 1e9
+        bw = _value(NETWORK_KEY) * 1e9
         parts["pipeline sends"] = 2 * m * (predict.collective_latency() + act / bw)
     return parts
 
@@ -224,7 +240,7 @@ def step_seconds(model: Decoder, layout: Layout, gpu: str, seq: int,
         f"{model.name}, {layout}, {global_batch} x {seq} tokens: {words}; "
         "compute at achieved FLOP/s with the pipeline bubble, collectives "
         "not overlapped",
-        [predict.peak_key(gpu, MATH[gpu]), *predict.MATMUL_EFFICIENCY_INPUTS,
+        [_peak_key(gpu), *predict.MATMUL_EFFICIENCY_INPUTS,
          NETWORK_KEY])
 
 
@@ -268,7 +284,7 @@ def plan(model: Decoder, gpu: str, n_gpus: int, seq: int, global_batch: int,
     """
     if gpu not in GPUS:
         raise ValueError(f"gpu must be one of {GPUS}, not {gpu!r}")
-    capacity = reference.published(f"{gpu}.memory_gb").value * 1e9 * headroom
+    capacity = _value(f"{gpu}.memory_gb") * 1e9 * headroom
     rows = []
     for lay in layouts(model, n_gpus, global_batch, gpus_per_node):
         mem = memory_per_gpu(model, lay, seq, global_batch, precision)

@@ -649,15 +649,15 @@ check_pp_tp_stage(pp_tp_stage)
 # ### Exercise 13.2: choose a layout
 #
 # Write `choose_layout(model, gpu, n_gpus, seq, global_batch,
-# min_tokens_per_s)`: search the layouts `planner.Layout(dp, tp, pp)` (add
-# `recompute=True` where it helps) that are allowed - `dp * tp * pp ==
-# n_gpus`, tp at most 8 and dividing `model.heads`, pp dividing
-# `model.layers`, dp dividing `global_batch` - and return the one with the
-# shortest `planner.step_seconds` among those whose
-# `planner.memory_per_gpu(...)["total"]` is at most 90 % of the GPU's
-# memory (`reference.published(f"{gpu}.memory_gb")`, in GB) and that reach
-# `min_tokens_per_s`; `None` if none does. Do not call `planner.plan`: the
-# checker compares your search with it.
+# min_tokens_per_s)`. Search the layouts `planner.Layout(dp, tp, pp,
+# sharded=..., recompute=...)` that are allowed - `dp * tp * pp == n_gpus`,
+# tp at most 8 and dividing `model.heads`, pp dividing `model.layers`, dp
+# dividing `global_batch` - with the data-parallel dimension sharded (FSDP)
+# or replicated (DDP, which `planner.plan` never tries), with or without
+# recomputation. Return the one with the shortest `planner.step_seconds`
+# among those whose `planner.memory_per_gpu(...)["total"]` is at most 90 %
+# of the GPU's memory (`reference.published(f"{gpu}.memory_gb")`, in GB)
+# and that reach `min_tokens_per_s`; `None` if none does.
 
 # %% tags=["exercise"] exercise="13.2"
 def choose_layout(model, gpu, n_gpus, seq, global_batch, min_tokens_per_s):
@@ -671,15 +671,17 @@ def choose_layout(model, gpu, n_gpus, seq, global_batch, min_tokens_per_s):
             dp = n_gpus // (tp * pp)
             if global_batch % dp:
                 continue
-            for recompute in (False, True):
-                lay = planner.Layout(dp, tp, pp, recompute=recompute)
-                if planner.memory_per_gpu(model, lay, seq, global_batch)["total"] > (
-                        capacity):
-                    continue
-                t = planner.step_seconds(model, lay, gpu, seq, global_batch).value
-                if global_batch * seq / t >= min_tokens_per_s and (
-                        best_t is None or t < best_t):
-                    best, best_t = lay, t
+            for sharded in (True, False):
+                for recompute in (False, True):
+                    lay = planner.Layout(dp, tp, pp, sharded=sharded,
+                                         recompute=recompute)
+                    mem = planner.memory_per_gpu(model, lay, seq, global_batch)
+                    if mem["total"] > capacity:
+                        continue
+                    t = planner.step_seconds(model, lay, gpu, seq, global_batch).value
+                    if global_batch * seq / t >= min_tokens_per_s and (
+                            best_t is None or t < best_t):
+                        best, best_t = lay, t
     return best
     ### END SOLUTION
 

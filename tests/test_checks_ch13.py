@@ -254,15 +254,21 @@ def _ok(model, lay, gpu, seq, batch, target):
     return t if batch * seq / t >= target else None
 
 
+def variants(lay, sharded=(True, False), recompute=(False, True)):
+    return [planner.Layout(lay.dp, lay.tp, lay.pp, 1, sh, rc)
+            for sh in sharded for rc in recompute]
+
+
 def right_product(model, gpu, n, seq, batch, target):
     found = []
-    for tp, pp, rc in itertools.product(range(1, 9), range(1, n + 1), (False, True)):
+    for tp, pp, sh, rc in itertools.product(range(1, 9), range(1, n + 1),
+                                            (False, True), (False, True)):
         if n % (tp * pp) or model.heads % tp or model.layers % pp:
             continue
         dp = n // (tp * pp)
         if batch % dp:
             continue
-        lay = planner.Layout(dp=dp, tp=tp, pp=pp, recompute=rc)
+        lay = planner.Layout(dp=dp, tp=tp, pp=pp, sharded=sh, recompute=rc)
         t = _ok(model, lay, gpu, seq, batch, target)
         if t is not None:
             found.append((t, lay))
@@ -270,9 +276,9 @@ def right_product(model, gpu, n, seq, batch, target):
 
 
 def right_sorted(model, gpu, n, seq, batch, target):
-    cands = [planner.Layout(n // (t * p), t, p, 1, True, r)
+    cands = [planner.Layout(n // (t * p), t, p, 1, sh, r)
              for t in planner.divisors(n) for p in planner.divisors(n // t)
-             for r in (True, False)
+             for r in (True, False) for sh in (False, True)
              if t <= 8 and model.heads % t == 0 and model.layers % p == 0
              and batch % (n // (t * p)) == 0]
     timed = sorted((t, i) for i, lay in enumerate(cands)
@@ -283,11 +289,13 @@ def right_sorted(model, gpu, n, seq, batch, target):
 class RightSearch:
     def __call__(self, model, gpu, n_gpus, seq, global_batch, min_tokens_per_s):
         best = None
-        for lay in planner.layouts(model, n_gpus, global_batch):
-            for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)):
-                t = _ok(model, cand, gpu, seq, global_batch, min_tokens_per_s)
-                if t is not None and (best is None or t < best[0]):
-                    best = (t, cand)
+        for sharded in (True, False):
+            for lay in planner.layouts(model, n_gpus, global_batch, sharded=sharded):
+                for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, 1, sharded,
+                                                 True)):
+                    t = _ok(model, cand, gpu, seq, global_batch, min_tokens_per_s)
+                    if t is not None and (best is None or t < best[0]):
+                        best = (t, cand)
         return best and best[1]
 
 
@@ -295,9 +303,10 @@ right_search = RightSearch()
 
 
 def right_numpy(model, gpu, n, seq, batch, target):
-    lays = [planner.Layout(d, t, p, recompute=r) for d in range(1, n + 1)
+    lays = [planner.Layout(d, t, p, sharded=s, recompute=r) for d in range(1, n + 1)
             for t in (1, 2, 4, 8) for p in range(1, model.layers + 1)
-            for r in (False, True) if d * t * p == n and model.layers % p == 0
+            for s in (True, False) for r in (False, True)
+            if d * t * p == n and model.layers % p == 0
             and batch % d == 0 and model.heads % t == 0]
     times = np.array([_ok(model, lay, gpu, seq, batch, target) or np.inf
                       for lay in lays] or [np.inf])
@@ -308,31 +317,43 @@ def right_fit_first(model, gpu, n, seq, batch, target):
     # fit the model first (recompute only where needed), then pick the fastest
     best, best_t = None, math.inf
     for lay in planner.layouts(model, n, batch):
-        if planner.memory_per_gpu(model, lay, seq, batch)["total"] > _capacity(gpu):
-            lay = planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)
-        t = _ok(model, lay, gpu, seq, batch, target)
-        if t is not None and t < best_t:
-            best, best_t = lay, t
+        for cand in variants(lay, recompute=(False,)):
+            if planner.memory_per_gpu(model, cand, seq, batch)["total"] > (
+                    _capacity(gpu)):
+                cand = planner.Layout(cand.dp, cand.tp, cand.pp, 1, cand.sharded, True)
+            t = _ok(model, cand, gpu, seq, batch, target)
+            if t is not None and t < best_t:
+                best, best_t = cand, t
     return best
 
 
+def _fastest(cands, model, gpu, seq, batch, target):
+    best = None
+    for cand in cands:
+        t = _ok(model, cand, gpu, seq, batch, target)
+        if t is not None and (best is None or t < best[0]):
+            best = (t, cand)
+    return best and best[1]
+
+
 def wrong_no_memory(model, gpu, n, seq, batch, target):
-    rows = [(planner.step_seconds(model, lay, gpu, seq, batch).value, lay)
-            for lay in planner.layouts(model, n, batch)]
+    rows = [(planner.step_seconds(model, c, gpu, seq, batch).value, c)
+            for lay in planner.layouts(model, n, batch) for c in variants(lay)]
     return min(rows, key=lambda r: r[0])[1] if rows else None
 
 
 def wrong_gb_units(model, gpu, n, seq, batch, target):
     cap = 0.9 * reference.published(f"{gpu}.memory_gb").value  # GB, not bytes
     for lay in planner.layouts(model, n, batch):
-        if planner.memory_per_gpu(model, lay, seq, batch)["total"] <= cap:
-            return lay
+        for c in variants(lay):
+            if planner.memory_per_gpu(model, c, seq, batch)["total"] <= cap:
+                return c
     return None
 
 
 def wrong_first_fit(model, gpu, n, seq, batch, target):
     for lay in planner.layouts(model, n, batch):
-        for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)):
+        for cand in variants(lay):
             if _ok(model, cand, gpu, seq, batch, target) is not None:
                 return cand
     return None
@@ -347,28 +368,27 @@ def wrong_no_target(model, gpu, n, seq, batch, target):
 
 
 def wrong_never_recompute(model, gpu, n, seq, batch, target):
-    best = None
-    for lay in planner.layouts(model, n, batch):
-        t = _ok(model, lay, gpu, seq, batch, target)
-        if t is not None and (best is None or t < best[0]):
-            best = (t, lay)
-    return best and best[1]
+    return _fastest([c for lay in planner.layouts(model, n, batch)
+                     for c in variants(lay, recompute=(False,))],
+                    model, gpu, seq, batch, target)
 
 
 def wrong_always_recompute(model, gpu, n, seq, batch, target):
-    best = None
-    for lay in planner.layouts(model, n, batch):
-        lay = planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)
-        t = _ok(model, lay, gpu, seq, batch, target)
-        if t is not None and (best is None or t < best[0]):
-            best = (t, lay)
-    return best and best[1]
+    return _fastest([c for lay in planner.layouts(model, n, batch)
+                     for c in variants(lay, recompute=(True,))],
+                    model, gpu, seq, batch, target)
+
+
+def wrong_only_fsdp(model, gpu, n, seq, batch, target):  # the planner's search
+    rows = [r for r in planner.plan(model, gpu, n, seq, batch)
+            if r.fits and r.tokens_per_s >= target]
+    return rows[0].layout if rows else None
 
 
 def wrong_least_memory(model, gpu, n, seq, batch, target):  # most room, not speed
     best = None
     for lay in planner.layouts(model, n, batch):
-        for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, recompute=True)):
+        for cand in variants(lay):
             if _ok(model, cand, gpu, seq, batch, target) is None:
                 continue
             mem = planner.memory_per_gpu(model, cand, seq, batch)["total"]
@@ -392,23 +412,16 @@ def wrong_memo_by_model(model, gpu, n, seq, batch, target):
 
 
 def wrong_no_pipeline(model, gpu, n, seq, batch, target):
-    best = None
-    for lay in planner.layouts(model, n, batch):
-        if lay.pp > 1:
-            continue
-        for cand in (lay, planner.Layout(lay.dp, lay.tp, 1, recompute=True)):
-            t = _ok(model, cand, gpu, seq, batch, target)
-            if t is not None and (best is None or t < best[0]):
-                best = (t, cand)
-    return best and best[1]
+    return _fastest([c for lay in planner.layouts(model, n, batch) if lay.pp == 1
+                     for c in variants(lay)], model, gpu, seq, batch, target)
 
 
 RIGHT_LAYOUT = [right_product, right_sorted, right_search, right_numpy, right_fit_first]
 WRONG_LAYOUT = {
     wrong_no_memory: "fits", wrong_gb_units: "None", wrong_first_fit: "fastest",
     wrong_fixed_gpus: "dp x tp x pp", wrong_no_target: "None",
-    wrong_never_recompute: "recompute", wrong_always_recompute: "fastest",
-    wrong_least_memory: "fastest", wrong_tuple: "Layout",
+    wrong_never_recompute: "recompute", wrong_always_recompute: "recompute only",
+    wrong_least_memory: "fastest", wrong_tuple: "Layout", wrong_only_fsdp: "DDP",
     wrong_memo_by_model: "", wrong_no_pipeline: "fastest",
 }
 
