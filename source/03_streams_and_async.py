@@ -428,7 +428,7 @@ transfers.show_two_stream_timelines(SIDE, device)
 # driver's staging copy is. (Measured with torch's default intra-op threads,
 # a copy of a few hundred KiB is split across the cores, and on a machine
 # where another program holds a core the split waits for a time slice:
-# milliseconds for a copy that takes microseconds, a meaningless 0.02 GB/s.)
+# milliseconds for a copy of microseconds, a bandwidth below any memory's.)
 # The plot shows it beside the link's published bandwidth and the predicted
 # pinned and pageable curves.
 
@@ -464,12 +464,12 @@ print(f"RAM to RAM here: {ram_gbps[-1]:.1f} GB/s at 64 MiB (smaller copies stay 
 # while every earlier pinned copy is kept alive (each needs a **new** block
 # from the driver) and pinning after it died (the cached block again),
 # beside a copy into a buffer pinned once; `torch.cuda.host_memory_stats()`
-# counts the new blocks. Look for: fresh pinning several times slower than
-# the copy and one new block per call; cached pinning about a copy, no new
-# block. Without a GPU, `pin_memory()` raises; the cell measures the
-# operating system's part, locking fresh pages (`mlock`, at most 4 MiB,
-# which an unprivileged process may lock), against a copy into a buffer
-# allocated once.
+# counts the new blocks. Look for: fresh pinning clearly slower than the
+# copy, with one new block per call; cached pinning close to the copy, with
+# one new block at most (the first). Without a GPU, `pin_memory()` raises;
+# the cell measures the operating system's part, locking fresh pages
+# (`mlock`; 4 MiB, which an unprivileged process may lock), against a copy
+# into a buffer allocated once.
 
 # %%
 PIN_BYTES = 4 * 2**20
@@ -920,7 +920,8 @@ transfers.plot_epochs(epoch_spans)
 #   only when each matmul uses one core and a second core is free - busy
 #   cores = CPU time / wall time says which.
 # - Copies overlap compute only from pinned memory, on another stream; pin
-#   once and reuse (pinning costs more than a copy); `non_blocking`
+#   once and reuse (a fresh pin costs more than a copy; a `pin_memory()`
+#   timed in a loop reuses PyTorch's cached block and times a copy); `non_blocking`
 #   device-to-host copies must be waited for before the CPU reads them;
 #   `synchronize()` without a device waits only for the current device.
 # - A prefetcher copies the next batch on a side stream, makes the compute
