@@ -756,7 +756,10 @@ print("ranks, agents or workers still running:", leftover_processes() or "none")
 #
 # ```bash
 # # #!/bin/bash
-# #SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 --time=01:00:00
+# #SBATCH --nodes=2
+# #SBATCH --ntasks-per-node=1
+# #SBATCH --gpus-per-node=8
+# #SBATCH --time=01:00:00
 # head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # srun torchrun --nnodes="$SLURM_NNODES" --nproc_per_node=8 \
 #     --rdzv_backend=c10d --rdzv_endpoint="$head:29500" --rdzv_id="$SLURM_JOB_ID" \
