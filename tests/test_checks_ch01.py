@@ -629,9 +629,24 @@ def transpose_flat_tile(a, out):  # a 1-D shared array, indexed by hand
         out[r, c] = tile[tx * TILE + ty]
 
 
+@cuda.jit
+def transpose_reads_tile_first(a, out):  # reads its tile element before the guard
+    tile = cuda.shared.array((TILE, TILE), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    row, col = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+    if row < a.shape[0] and col < a.shape[1]:
+        tile[ty, tx] = a[row, col]
+    cuda.syncthreads()
+    v = tile[tx, ty]  # garbage for a thread outside out, which never stores it
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = v
+
+
 @pytest.mark.parametrize("right", [transpose_padded, transpose_stored_turned,
                                    transpose_with_device_function,
-                                   transpose_plain_function, transpose_flat_tile])
+                                   transpose_plain_function, transpose_flat_tile,
+                                   transpose_reads_tile_first])
 def test_transpose_accepts_correct_variants(right, capsys):
     ch01.check_transpose(right)
     assert "passed" in capsys.readouterr().out
@@ -652,7 +667,7 @@ def transpose_column_reads(a, out):  # no tile: writes coalesce, reads do not
 
 
 def _tile_kernel(load_guard=True, sync=True, store_guard=True, turn=True,
-                 tile_type=float64, early=False, sync_in_if=False):
+                 tile_type=float64, early=False, sync_in_if=False, skip_load=False):
     @cuda.jit
     def kernel(a, out):
         tile = cuda.shared.array((TILE, TILE), tile_type)
@@ -661,7 +676,8 @@ def _tile_kernel(load_guard=True, sync=True, store_guard=True, turn=True,
         if early and (y >= a.shape[0] or x >= a.shape[1]):
             return
         if not load_guard or (y < a.shape[0] and x < a.shape[1]):
-            tile[ty, tx] = a[y, x]
+            if not (skip_load and tx == 1):  # one column of the tile left unloaded
+                tile[ty, tx] = a[y, x]
             if sync_in_if:
                 cuda.syncthreads()
         if sync and not sync_in_if:
@@ -745,6 +761,7 @@ def transpose_one_thread(a, out):  # thread (0, 0) of each block moves the tile
     (transpose_tile_16, "not a number"),
     (transpose_copy, "copy of a"),
     (transpose_one_thread, "a few threads do the work of all"),
+    (_tile_kernel(skip_load=True), "no thread loaded"),
     (None, "a @cuda.jit kernel"),
 ])
 def test_transpose_names_mistakes(wrong, words):

@@ -384,13 +384,12 @@ class _Launch:
             return
         waiting = [t for t, s in enumerate(self.state) if s == "barrier"]
         done = [t for t, s in enumerate(self.state) if s == "done"]
-        for (k, flat), t in self.unwritten.items():  # a race would have raised
+        unwritten = {} if self.hints.get("unwritten") is None else self.unwritten
+        for (k, flat), t in unwritten.items():  # a race would have raised
             self._fault(KernelFault(
                 f"thread {self.tn(t)} of block {self.bn()} reads "
                 f"{self.shared[k].name}[{flat}], which no thread wrote",
-                self.hints.get("unwritten", "shared memory starts with garbage: "
-                               "every element a thread reads must be stored "
-                               "first")))
+                self.hints["unwritten"]))
             return
         if waiting and done:
             self._fault(KernelFault(
@@ -488,10 +487,11 @@ def simulate_block_kernel(kernel, args, blocks, threads,
     NumPy arrays, changed in place, called ``names`` in messages; ``hints``
     ("bounds", a name, "shared", "unwritten", "early", "steps") say what to do
     about each fault. Raises ``KernelFault`` for a race on shared memory, a
-    read of unwritten shared memory, an index outside an array, or a barrier
-    some threads skip; the learner's own exceptions pass through. Returns the
-    launch: its counters (shared reads per thread, atomics) and ``log``, the
-    global accesses of each (block, thread) in program order.
+    read of unwritten shared memory (only when ``hints`` has "unwritten"), an
+    index outside an array, or a barrier some threads skip; the learner's own
+    exceptions pass through. Returns the launch: its counters (shared reads
+    per thread, atomics) and ``log``, the global accesses of each (block,
+    thread) in program order.
     """
     fn = _python_function(kernel)
     if fn is None:
@@ -857,10 +857,9 @@ TRANSPOSE_HINTS = {
          "read a (the others store nothing, but still reach syncthreads)",
     "out": "guard the store: out has a.shape[1] rows and a.shape[0] columns",
     "shared": "the tile is TILE x TILE: index it with threadIdx.x and threadIdx.y",
-    "unwritten": "a thread reads a tile element nobody stored: the store and the "
-                 "load of the tile must cover the same TILE x TILE positions "
-                 "(and a thread outside a may skip its store only because its "
-                 "partner skips the matching read)",
+    # a read of a tile element nobody stored is harmless when the value is not
+    # used (a thread outside out): the values of out show when it is
+    "unwritten": None,
     "early": "guard the load and the store with an `if` instead",
     "steps": "a loop that never ends?",
 }
@@ -928,8 +927,13 @@ def check_transpose(transpose) -> None:
         _check_inputs_kept(ex, what, a=(a, a0))
         if np.isnan(out).any():
             r, c = (int(v[0]) for v in np.nonzero(np.isnan(out)))
+            stored = any(("out", r * h + c, True) in entries
+                         for entries in launch.log.values())
             fail(ex, f"every element of out written ({what})",
-                 f"out[{r}, {c}] never written",
+                 f"out[{r}, {c}] " + ("holds a tile element no thread loaded"
+                                      if stored else "never written"),
+                 "shared memory starts with garbage: every tile position whose "
+                 "transpose is written must be loaded first" if stored else
                  "each block writes the TILE x TILE tile of out at row "
                  "blockIdx.x * TILE, column blockIdx.y * TILE; use TILE (the "
                  "check sets it to 8 and 16), not a number")
