@@ -35,6 +35,7 @@
 # %%
 import copy
 import threading
+import time
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -46,11 +47,12 @@ from torch.func import functional_call
 from course_utils import banner, predict, reference, try_all_gpus
 from course_utils.build import ROOT
 from course_utils.checks.ch05 import (
-    check_data_parallel_step,
-    check_dp_running_mean,
-    check_scatter_batch,
+    check_apply_in_threads,
+    check_make_replicas,
+    check_predict_dp_bytes,
 )
 from course_utils.compare import compare as compare_timings
+from course_utils.dist import launch
 
 banner()
 GPUS = try_all_gpus() if torch.cuda.is_available() else []
@@ -329,32 +331,84 @@ if len(GPUS) >= 2:
 # %% [markdown]
 # ## 5. Why device 0 holds more
 #
-# Device 0 keeps everything the others have (a replica's parameters and its
-# piece's activations) and more: the original parameters and their gradients,
-# the optimizer's state, the gathered outputs and the loss. A model with
-# `P` float32 parameters trained with Adam (two more numbers per parameter)
-# needs on device 0 about `4P` (parameters) + `4P` (gradients) + `8P` (Adam)
-# bytes, and on each other device `4P` for its replica. The table is that
-# model's prediction for a 1-billion-parameter model on 4 GPUs, activations
-# left out:
+# Device 0 keeps what every device has - a replica's parameters, and the
+# gradient that backward sends to them before they are summed - and more: the
+# original parameters, their summed gradients (`.grad`) and the optimizer's
+# state. Rather than trust a formula, count it. The cell runs two Adam steps
+# of the hand-made DataParallel on 3 "devices" and adds up, per device, the
+# bytes of the tensors it would hold at the end of the backward pass
+# (activations left out): hooks on each replica's parameters count the
+# gradients that reach them. On a GPU, replica 0's parameters *are* the
+# originals (torch's broadcast returns its input for the source device), so
+# they are counted once; our CPU stand-in clones them, which is not counted.
+
+# %%
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dp_bytes_per_device(model, x, n, steps=2):
+    """Bytes per device after the backward of the last of `steps` DataParallel
+    steps with Adam: parameters, gradients, optimizer state (no activations)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    devs = [torch.device("cpu")] * n
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        held = [0] * n
+
+        def counter(i, held=held):
+            def count(grad):
+                held[i] += nbytes([grad])
+            return count
+
+        replicas = replicate(model, devs)
+        for i, (_, tensors) in enumerate(replicas):
+            for t in tensors.values():
+                if t.requires_grad:  # a parameter's copy: count it and its gradient
+                    held[i] += nbytes([t]) if i else 0  # replica 0: the originals
+                    t.register_hook(counter(i))
+        out = gather(parallel_apply(replicas, scatter(x, devs)), devs[0])
+        out.square().mean().backward()
+        if step < steps - 1:
+            opt.step()  # Adam's state exists from the first step on
+    params = list(model.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    held[0] += nbytes(params) + nbytes(p.grad for p in params) + nbytes(state)
+    return held, nbytes(params)
+
+
+torch.manual_seed(0)
+counted, param_bytes = dp_bytes_per_device(nn.Sequential(nn.Linear(64, 64), nn.Tanh(),
+                                                         nn.Linear(64, 8)),
+                                           torch.randn(12, 64), n=3)
+per_param = [b / param_bytes * 4 for b in counted]  # bytes per float32 parameter
+print("bytes per parameter, counted:", [f"{b:.2f}" for b in per_param])
+print(f"device 0 holds {counted[0] / counted[1]:.2f}x what device 1 holds")
+
+# %% [markdown]
+# Device 0 holds about `4 + 4 + 4 + 8 = 20` bytes per parameter (its
+# parameters, replica 0's gradient, the summed `.grad`, Adam's two states;
+# Adam's step counters add a few bytes), each other device `4 + 4 = 8` (its
+# replica and the gradient that reaches it): **2.5x**, not the "4x" that a
+# count forgetting the replicas' gradients gives. The same counts, scaled to
+# a 1-billion-parameter model on 4 GPUs:
 
 # %%
 P = 1e9
-per_device = {"device 0": 4 * P + 4 * P + 8 * P}
-per_device.update({f"device {i}": 4 * P for i in range(1, 4)})
 memory = reference.predicted(
-    {k: v / 2**30 for k, v in per_device.items()}, "GiB", "4 GPUs under DataParallel",
-    "device 0: parameters + gradients + Adam's two states (4 + 4 + 8 bytes per "
-    "parameter); others: a replica's parameters (4 bytes); activations left out")
+    {f"device {i}": P * per_param[min(i, 1)] / 2**30 for i in range(4)}, "GiB",
+    "4 GPUs under DataParallel",
+    "bytes per parameter counted above on 3 CPU 'devices' (parameters, gradients "
+    "reaching each replica, summed .grad, Adam's state), times P = 1e9; "
+    "activations left out")
 for k, v in memory.value.items():
     print(f"  {k}: {v:5.1f} GiB")
 print(f"  [{memory.label}]")
 
 # %% [markdown]
-# Device 0 needs four times the memory of the others here, and it also does
-# the extra work of scattering, gathering, the loss and the optimizer step,
-# while the others wait. DistributedDataParallel gives every device the same
-# job instead (Chapter 6).
+# Device 0 also does the extra work of scattering, gathering, the loss and
+# the optimizer step, while the others wait. DistributedDataParallel gives
+# every device the same job instead (Chapter 6).
 #
 # What about time? Per step, DataParallel copies the parameters from device 0
 # to every replica *before* the forward pass (replicate) and sums the
@@ -407,16 +461,46 @@ print("caveat: the DDP line's all-reduce is calibrated (python -m "
 # layers spend most of their time there; small ones spend it in Python. On
 # top of that, replicate copies the parameters at every step.
 #
-# And the backward pass? `loss.backward()` hands the graph to autograd's
-# engine, which runs each device's part on a thread of its own for that
-# device: on GPUs, every replica's backward runs at once. Every "device" here
-# is the CPU, and the engine runs all CPU work on the thread that called
-# `backward()` - so our `data_parallel` runs the replicas' backward passes one
-# after the other, and only the forward pass is parallel. To see what GPUs
-# get, `parallel_backward` below starts each replica's backward in its own
-# thread, from the gradient that the loss sends to its output. Below, a small
-# and a large model, one training step on one "device", and on two with each
-# kind of backward, compared with the course's protocol (Chapter 4).
+# And the backward pass? It is **not** run by `parallel_apply`'s threads:
+# they have ended when `loss.backward()` is called. The caller's thread hands
+# the graph to autograd's engine, which keeps one worker thread per GPU and
+# runs each device's part of the graph there - so on GPUs the replicas'
+# backward passes run at once, on the engine's device threads. CPU work has
+# no such thread: the engine runs it on the thread that called `backward()`.
+# Hooks on each replica's output record which thread ran what:
+
+# %%
+ran = {"forward": set(), "backward": set()}
+
+
+class WhereItRuns(nn.Module):
+    def forward(self, x):
+        ran["forward"].add(threading.current_thread().name)
+        if x.requires_grad:
+            x.register_hook(lambda g: ran["backward"].add(
+                threading.current_thread().name))
+        return x
+
+
+probe = nn.Sequential(nn.Linear(16, 4), WhereItRuns())
+data_parallel(probe, torch.randn(9, 16), [torch.device("cpu")] * 3).sum().backward()
+print(f"forward ran on {len(ran['forward'])} threads: {sorted(ran['forward'])}")
+print(f"backward ran on: {sorted(ran['backward'])} "
+      f"(this cell's thread: {threading.current_thread().name})")
+
+# %% [markdown]
+# **Claim** (seed 002): "each thread runs the forward and the backward of
+# its piece". **Measured here**: the forward passes ran on three threads,
+# the backward passes on the notebook's own thread. **Why**: the threads of
+# `parallel_apply` only run the forward; backward is autograd's job, done on
+# its per-GPU device threads on GPUs and on the calling thread on a CPU.
+#
+# So our `data_parallel` on CPU "devices" runs the replicas' backward passes
+# one after the other. To see what GPUs get, `parallel_backward` below starts
+# each replica's backward in its own thread, from the gradient that the loss
+# sends to its output. Below, a small and a large model, one training step on
+# one "device", and on two with each kind of backward, compared with the
+# course's protocol (Chapter 4).
 
 # %%
 def parallel_backward(outputs, grads):
@@ -469,6 +553,68 @@ finally:
 # On GPUs the same holds for the Python side: DataParallel's one process must
 # launch every kernel of every replica, and its threads take turns doing so.
 #
+# ### DataParallel against DDP: published, and the CPU analogue
+#
+# Published measurements compare the two on real GPUs. The Hugging Face
+# Transformers guide to multi-GPU training fine-tuned GPT-2 for 200 steps on
+# 2 TITAN RTX GPUs, with DataParallel and with DDP (one process per GPU),
+# with and without NVLink:
+
+# %%
+runs = {"DataParallel (NVLink there)": "dp_two_gpus_train_seconds",
+        "DDP, NVLink used": "ddp_nvlink_train_seconds",
+        "DDP, NVLink switched off": "ddp_no_nvlink_train_seconds"}
+for label, key in runs.items():
+    pub = reference.published(f"hf_multigpu_guide.{key}")
+    print(f"  {label:28s} {pub.value:6.1f} s for 200 steps")
+print(f"  [{pub.label}]")
+
+# %% [markdown]
+# DDP was faster with the fast link and slower without it: its gradient
+# all-reduce is cheap only when the link is. The CPU analogue: the large
+# model above, 2 "devices" as 2 threads of this process (our DataParallel,
+# backward per replica) against 2 processes running PyTorch's DDP over gloo
+# (Chapter 6 explains it), one core each, the same 10 steps. Each DDP rank
+# times its own steps, so the processes' start-up is not counted.
+
+# %%
+def ddp_steps(rank, world, width, rows, steps):
+    torch.manual_seed(0)
+    net = nn.parallel.DistributedDataParallel(
+        nn.Sequential(*[nn.Linear(width, width) for _ in range(8)]))
+    xb = torch.randn(rows, width).chunk(world)[rank]
+    net(xb).sum().backward()  # warm-up
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        net(xb).sum().backward()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def ddp_run(steps=10):
+    ranks = [r.value for r in launch(ddp_steps, 2, args=(512, 512, steps), echo=False)]
+    return {"wall_s": max(w for w, _ in ranks), "cpu_s": sum(c for _, c in ranks)}
+
+
+torch.manual_seed(0)
+net = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+xb = torch.randn(512, 512)
+saved = torch.get_num_threads()
+torch.set_num_threads(1)
+try:
+    analogue = compare_timings({
+        "DataParallel: 2 threads": lambda: [dp_step(net, xb, 2, True)
+                                            for _ in range(10)],
+        "DDP: 2 processes": ddp_run}, repeats=3, number=1)
+finally:
+    torch.set_num_threads(saved)
+print(analogue)
+
+# %% [markdown]
+# Read the verdict beside the published runs. On a CPU the two move no bytes
+# over a link worth the name, so what separates them is what the GIL and
+# the threads cost DataParallel against what gloo's all-reduce costs DDP;
+# when another program uses the cores the verdict says "disturbed".
+#
 # ## 7. BatchNorm under DataParallel
 #
 # A BatchNorm layer normalises with the statistics of the batch it sees. Under
@@ -476,19 +622,39 @@ finally:
 # piece's mean and variance - not the whole batch's. And the running
 # statistics (used at evaluation) are buffers: each replica updates its own
 # copy, and only **replica 0's** copy is the module's own. The other pieces'
-# statistics are lost. (`nn.SyncBatchNorm` computes the statistics over all
-# devices at once, with a collective: Chapter 6.)
+# statistics are lost. Our `replicate` does the same: replica 0 runs with the
+# module's buffers, every other replica with copies of its own, so no two
+# threads update one buffer. One forward on 3 "devices", against BatchNorm
+# run on replica 0's piece alone (and, with GPUs, PyTorch's DataParallel):
 
 # %%
-bn = nn.BatchNorm1d(3, momentum=0.1)
-xb = torch.randn(12, 3) + torch.arange(12.0)[:, None] / 4  # pieces differ
-pieces = torch.chunk(xb, 3)
+torch.manual_seed(0)
+bn = nn.BatchNorm1d(3, momentum=0.1).to(devices[0])
+xb = (torch.randn(12, 3) + torch.arange(12.0)[:, None] / 4).to(devices[0])
+ours = copy.deepcopy(bn)
+data_parallel(ours, xb, devices)
 replica0 = copy.deepcopy(bn)
-replica0(pieces[0])  # what DataParallel keeps
+replica0(torch.chunk(xb, len(devices))[0])  # what DataParallel keeps
 whole = copy.deepcopy(bn)
 whole(xb)  # what one device would keep
-print("running mean, replica 0's piece only:", replica0.running_mean.tolist())
-print("running mean, the whole batch:       ", whole.running_mean.tolist())
+runs = {"ours, 3 devices": ours, "replica 0's piece only": replica0,
+        "the whole batch": whole}
+if len(GPUS) >= 2:
+    theirs = copy.deepcopy(bn)
+    nn.DataParallel(theirs, device_ids=devices)(xb)
+    runs[f"nn.DataParallel, {len(devices)} GPUs"] = theirs
+for name, m in runs.items():
+    print(f"{name:24s} num_batches_tracked {m.num_batches_tracked.item()}, running "
+          f"mean {[round(v, 4) for v in m.running_mean.tolist()]}")
+print("ours equal replica 0's:", torch.equal(ours.running_mean, replica0.running_mean)
+      and torch.equal(ours.running_var, replica0.running_var))
+
+# %% [markdown]
+# One batch tracked, and replica 0's statistics, exactly. (A `replicate`
+# that gave every replica the module's own buffers would let three threads
+# update them at once: three batches tracked, and running statistics that
+# change from run to run.) `nn.SyncBatchNorm` computes the statistics over
+# all devices at once, with a collective: Chapter 6.
 
 # %% [markdown]
 # ## 8. The seeds' examples, corrected
@@ -542,61 +708,111 @@ print(f"embedding on cpu, head on {second}: output {tuple(out.shape)} on {out.de
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 5.1: scatter a batch as DataParallel does
+# ### Exercise 5.1: replicas by hand
 #
-# Write `scatter_batch(x, n, dim)`: the pieces DataParallel gives `n`
-# devices, in order, cut along `dim` (all on `x`'s device).
+# Write `make_replicas(module, devices)`: one replica per device, each a
+# callable `replica(x)` that computes what `module(x)` computes, so that
+# DataParallel's steps can run them on their pieces, in threads at once.
+# Without looking at section 3, make sure that:
+#
+# - backward through any replica's output reaches `module`'s own parameters,
+#   and the replicas' gradients add up there (the module's parameters stay in
+#   place, unchanged);
+# - replicas running in threads at the same time do not disturb each other;
+# - the model's dtype is kept (float64 too);
+# - replica 0 updates the module's own buffers (BatchNorm's running
+#   statistics), every other replica a copy of its own, as DataParallel does.
+#
+# The checker's "devices" are all the CPU; it changes the module's parameters
+# between calls.
 
 # %% tags=["exercise"] exercise="5.1"
-def scatter_batch(x, n, dim):
+def make_replicas(module, devices):
     ### BEGIN SOLUTION
-    return list(torch.chunk(x, n, dim))
+    class Replica(nn.Module):
+        def __init__(self, index, device):
+            super().__init__()
+            self.shell = copy.deepcopy(module).to(device)
+            self.tensors = {k: p.to(device) if p.device != device else p.clone()
+                            for k, p in module.named_parameters()}
+            self.tensors.update({k: b if index == 0 else b.to(device, copy=True)
+                                 for k, b in module.named_buffers()})
+
+        def forward(self, x):
+            return functional_call(self.shell, self.tensors, (x,))
+
+    return [Replica(i, d) for i, d in enumerate(devices)]
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="5.1"
-check_scatter_batch(scatter_batch)
+check_make_replicas(make_replicas)
 
 # %% [markdown]
-# ### Exercise 5.2: a data-parallel step by hand
+# ### Exercise 5.2: parallel_apply by hand
 #
-# Write `data_parallel_step(model, x, y, n)`: split the batch over `n`
-# replicas (all on `x`'s device), run them, and leave in `model`'s parameters'
-# `.grad` the gradient of the mean squared error over the whole batch - the
-# same as `mse_loss(model(x), y).backward()` would. Return that loss. Do not
-# update the parameters. (You may reuse the primitives of section 3.)
+# Write `apply_in_threads(fns, inputs, timeout=60)`: call `fns[i](*inputs[i])`
+# for every `i`, each in a thread of its own, all at once, and return the
+# outputs in the order of `fns`. If a function raises, raise its exception in
+# the caller once every thread has ended; if a thread is still running
+# `timeout` seconds after the start, raise `TimeoutError` instead of waiting.
+# The checker's functions only complete when they all run at the same time.
 
 # %% tags=["exercise"] exercise="5.2"
-def data_parallel_step(model, x, y, n):
+def apply_in_threads(fns, inputs, timeout=60):
     ### BEGIN SOLUTION
-    out = data_parallel(model, x, [x.device] * n)
-    loss = nn.functional.mse_loss(out, y)
-    loss.backward()
-    return loss
+    outputs, errors = [None] * len(fns), [None] * len(fns)
+
+    def run(i):
+        try:
+            outputs[i] = fns[i](*inputs[i])
+        except Exception as e:  # noqa: BLE001 - raised below, in the caller
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True)
+               for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a function was still running after {timeout} s")
+    for e in errors:
+        if e is not None:
+            raise e
+    return outputs
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="5.2"
-check_data_parallel_step(data_parallel_step)
+check_apply_in_threads(apply_in_threads)
 
 # %% [markdown]
-# ### Exercise 5.3: which statistics survive?
+# ### Exercise 5.3: predict device 0's memory, then count it
 #
-# Write `dp_running_mean(bn, x, n)`: the `running_mean` that BatchNorm layer
-# `bn` (in training mode) has after one DataParallel forward of the batch `x`
-# on `n` devices.
+# Write `predict_dp_bytes(model, n, optimizer)`: the bytes each of `n` devices
+# holds under DataParallel at the end of the backward pass of the second
+# training step, as a list (device 0 first): parameters, gradients and the
+# optimizer's state (`"sgd"`: none, `"momentum"`: one buffer per parameter,
+# `"adam"`: two; leave out Adam's scalar step counters), activations left
+# out. The model may be float32, float64 or bfloat16. The checker counts the
+# real tensors of a hand-made DataParallel step and compares, for 1 to 8
+# devices (remember what `nn.DataParallel` does with a single device).
 
 # %% tags=["exercise"] exercise="5.3"
-def dp_running_mean(bn, x, n):
+def predict_dp_bytes(model, n, optimizer):
     ### BEGIN SOLUTION
-    bn.train()
-    bn(torch.chunk(x, n)[0])
-    return bn.running_mean
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    states = {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
+    if n == 1:  # the module itself: no replica, one gradient
+        return [size * (2 + states)]
+    return [size * (3 + states)] + [2 * size] * (n - 1)
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="5.3"
-check_dp_running_mean(dp_running_mean)
+check_predict_dp_bytes(predict_dp_bytes)
 
 # %% [markdown]
 # ## Glossary

@@ -2,11 +2,11 @@
 with a message that names the mistake."""
 
 import copy
-import math
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 from torch import nn
 from torch.func import functional_call
 
@@ -17,304 +17,506 @@ from course_utils.exercises import ExerciseFailed
 def fails(check, fn, *words):
     with pytest.raises(ExerciseFailed) as e:
         check(fn)
+    text = str(e.value)
     for w in words:
-        assert w in str(e.value), str(e.value)
+        assert w in text, text
+    return text
 
 
 # ---------------------------------------------------------------- 5.1
 
 
-def scatter_chunk(x, n, dim):
-    return list(torch.chunk(x, n, dim))
-
-
-def scatter_split(x, n, dim):
-    size = math.ceil(x.shape[dim] / n)
-    return list(torch.split(x, size, dim))
-
-
-def scatter_narrow(x, n, dim):
-    size, out, start = -(-x.shape[dim] // n), [], 0
-    while start < x.shape[dim]:
-        out.append(x.narrow(dim, start, min(size, x.shape[dim] - start)))
-        start += size
+def replicas_closures(module, devices):
+    out = []
+    for i, _ in enumerate(devices):
+        shell = copy.deepcopy(module)
+        ts = {k: p.clone() for k, p in module.named_parameters()}
+        ts |= {k: (b if i == 0 else b.clone()) for k, b in module.named_buffers()}
+        out.append(lambda x, shell=shell, ts=ts: functional_call(shell, ts, (x,)))
     return out
 
 
-def scatter_tuple_movedim(x, n, dim):
-    pieces = torch.chunk(x.movedim(dim, 0), n)
-    return tuple(p.movedim(0, dim) for p in pieces)
+def replicas_parameters_swapped(module, devices):  # as torch's replicate does
+    out = []
+    for i, _ in enumerate(devices):
+        rep = copy.deepcopy(module)
+        for name, sub in rep.named_modules():
+            orig = module.get_submodule(name)
+            for k, p in orig._parameters.items():
+                sub._parameters[k] = None if p is None else p.clone()
+            if i == 0:
+                for k, b in orig._buffers.items():
+                    sub._buffers[k] = b
+        out.append(rep)
+    return out
 
 
-@pytest.mark.parametrize("fn", [scatter_chunk, scatter_split, scatter_narrow,
-                                scatter_tuple_movedim])
-def test_right_scatters_pass(fn):
-    ch05.check_scatter_batch(fn)
+class ReplicaModule(nn.Module):
+    def __init__(self, module, keep_buffers):
+        super().__init__()
+        self.inner = copy.deepcopy(module)
+        self.params = {k: p.view_as(p) * 1 for k, p in module.named_parameters()}
+        self.bufs = {k: (b if keep_buffers else b.detach().clone())
+                     for k, b in module.named_buffers()}
+
+    def forward(self, x):
+        return functional_call(self.inner, {**self.params, **self.bufs}, x)
 
 
-def test_wrong_scatters_fail():
-    def tensor_split(x, n, dim):
-        return list(torch.tensor_split(x, n, dim))
+def replicas_class(module, devices):
+    return [ReplicaModule(module, i == 0) for i in range(len(devices))]
 
-    def always_dim0(x, n, dim):
-        return list(torch.chunk(x, n, 0))
 
-    def floor_size(x, n, dim):
-        return list(torch.split(x, max(1, x.shape[dim] // n), dim))
+def replicas_to_device(module, devices):  # p.to(d, copy=True): a copy even on the CPU
+    reps = []
+    for i, d in enumerate(devices):
+        tensors = {k: p.to(d, copy=True) for k, p in module.named_parameters()}
+        for k, b in module.named_buffers():
+            tensors[k] = b if not i else b.to(d, copy=True)
+        shell = copy.deepcopy(module).to(d)
+        reps.append(lambda x, s=shell, t=tensors: functional_call(s, t, x))
+    return reps
 
-    def two_devices(x, n, dim):
-        return list(torch.chunk(x, 2, dim))
 
-    def reversed_order(x, n, dim):
-        return list(torch.chunk(x, n, dim))[::-1]
+def replicas_tuple_with_extra_work(module, devices):
+    n = len(devices)
+    made = replicas_closures(module, devices)
+    assert len(made) == n
+    return tuple(made)
 
-    def whole_tensor(x, n, dim):
-        return x
 
-    def split_n_rows(x, n, dim):  # split's argument is a size, not a count
-        return list(torch.split(x, n, dim))
+@pytest.mark.parametrize("fn", [replicas_closures, replicas_parameters_swapped,
+                                replicas_class, replicas_to_device,
+                                replicas_tuple_with_extra_work])
+def test_right_replicas_pass(fn):
+    ch05.check_make_replicas(fn)
 
-    def shuffled_rows(x, n, dim):
-        perm = torch.randperm(x.shape[dim], generator=torch.Generator().manual_seed(0))
-        return list(torch.chunk(x.index_select(dim, perm), n, dim))
 
-    def padded_to_n(x, n, dim):
-        pieces = list(torch.chunk(x, n, dim))
-        while len(pieces) < n:
-            pieces.append(x.narrow(dim, 0, 0))
-        return pieces
+def test_wrong_replicas_fail():
+    def same_module(module, devices):
+        return [module] * len(devices)
 
-    fails(ch05.check_scatter_batch, tensor_split, "torch.chunk")
-    fails(ch05.check_scatter_batch, always_dim0, "dim=1")
-    fails(ch05.check_scatter_batch, floor_size, "shapes")
-    fails(ch05.check_scatter_batch, two_devices, "shapes")
-    fails(ch05.check_scatter_batch, reversed_order, "order")
-    fails(ch05.check_scatter_batch, whole_tensor, "list of tensors")
-    fails(ch05.check_scatter_batch, split_n_rows, "shapes")
-    fails(ch05.check_scatter_batch, shuffled_rows, "in order")
-    fails(ch05.check_scatter_batch, padded_to_n, "shapes")
+    def deepcopies(module, devices):
+        return [copy.deepcopy(module) for _ in devices]
+
+    def detached(module, devices):
+        reps = []
+        for i, _ in enumerate(devices):
+            shell = copy.deepcopy(module)
+            ts = {k: p.detach().clone() for k, p in module.named_parameters()}
+            ts |= {k: (b if i == 0 else b.clone()) for k, b in module.named_buffers()}
+            reps.append(lambda x, s=shell, t=ts: functional_call(s, t, x))
+        return reps
+
+    def float32_copies(module, devices):
+        reps = []
+        for i, _ in enumerate(devices):
+            shell = copy.deepcopy(module).float()
+            ts = {k: p.float() for k, p in module.named_parameters()}
+            ts |= {k: (b if i == 0 else b.clone()) for k, b in module.named_buffers()}
+            reps.append(lambda x, s=shell, t=ts: functional_call(s, t, x.float()))
+        return reps
+
+    def every_buffer_shared(module, devices):
+        reps = []
+        for _ in devices:
+            shell = copy.deepcopy(module)
+            ts = {k: p.clone() for k, p in module.named_parameters()}
+            ts |= dict(module.named_buffers())
+            reps.append(lambda x, s=shell, t=ts: functional_call(s, t, x))
+        return reps
+
+    def no_buffer_kept(module, devices):
+        reps = []
+        for _ in devices:
+            shell = copy.deepcopy(module)
+            ts = {k: p.clone() for k, p in module.named_parameters()}
+            reps.append(lambda x, s=shell, t=ts: functional_call(s, t, x))
+        return reps
+
+    def one_replica(module, devices):
+        return replicas_closures(module, devices[:1])
+
+    def only_replica0_differentiable(module, devices):
+        reps = replicas_closures(module, devices[:1])
+        shells = [copy.deepcopy(module) for _ in devices[1:]]
+        return reps + [lambda x, s=s: s(x).detach() for s in shells]
+
+    cache = {}
+
+    def cached(module, devices):  # replicas made once, reused for later calls
+        if len(devices) not in cache:
+            cache[len(devices)] = replicas_closures(module, devices)
+        return cache[len(devices)]
+
+    def swapped_into_the_module(module, devices):
+        reps = []
+        for _ in devices:
+            ts = {k: p.clone() for k, p in module.named_parameters()}
+
+            def run(x, ts=ts):
+                for k, t in ts.items():
+                    mod, _, name = k.rpartition(".")
+                    module.get_submodule(mod)._parameters[name] = t
+                return module(x)
+            reps.append(run)
+        return reps
+
+    def zero_rather_than_clone(module, devices):  # a value bug, not a graph bug
+        reps = replicas_closures(module, devices[:1])
+        for _ in devices[1:]:
+            shell = copy.deepcopy(module)
+            ts = {k: p * 0.5 for k, p in module.named_parameters()}
+            reps.append(lambda x, s=shell, t=ts: functional_call(s, t, x))
+        return reps
+
+    fails(ch05.check_make_replicas, same_module, "buffers")
+    fails(ch05.check_make_replicas, deepcopies, "gradient", "differentiable")
+    fails(ch05.check_make_replicas, detached, "does not require grad")
+    fails(ch05.check_make_replicas, float32_copies, "dtype")
+    fails(ch05.check_make_replicas, every_buffer_shared, "replica 0's update")
+    fails(ch05.check_make_replicas, no_buffer_kept, "replica 0's update")
+    fails(ch05.check_make_replicas, one_replica, "one replica per entry")
+    fails(ch05.check_make_replicas, only_replica0_differentiable,
+          "does not require grad")
+    fails(ch05.check_make_replicas, cached, "older state")
+    fails(ch05.check_make_replicas, swapped_into_the_module, "left in place")
+    fails(ch05.check_make_replicas, zero_rather_than_clone, "output equal")
 
 
 # ---------------------------------------------------------------- 5.2
 
 
-def _threads(fns):
-    out = [None] * len(fns)
+def apply_list_comp(fns, inputs, timeout=60):
+    outs, errs = {}, {}
 
-    def run(i):
-        out[i] = fns[i]()
+    def go(i):
+        try:
+            outs[i] = fns[i](*inputs[i])
+        except BaseException as e:  # noqa: BLE001
+            errs[i] = e
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
-    return out
-
-
-def step_functional(model, x, y, n):
-    params = dict(model.named_parameters())
-    outs = []
-    for piece in torch.chunk(x, n):
-        shell = copy.deepcopy(model)
-        outs.append(functional_call(shell, {k: p.clone() for k, p in params.items()},
-                                    (piece,)))
-    loss = nn.functional.mse_loss(torch.cat(outs), y)
-    loss.backward()
-    return loss
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    [t.start() for t in ts]
+    end = time.time() + timeout
+    [t.join(max(0, end - time.time())) for t in ts]
+    if any(t.is_alive() for t in ts):
+        raise TimeoutError("still running")
+    if errs:
+        raise errs[min(errs)]
+    return [outs[i] for i in range(len(fns))]
 
 
-def step_threads(model, x, y, n):
-    params = dict(model.named_parameters())
-    shells = [copy.deepcopy(model) for _ in range(n)]
-    pieces = torch.chunk(x, n)
-    outs = _threads([lambda s=s, p=p: functional_call(
-        s, {k: v.clone() for k, v in params.items()}, (p,))
-        for s, p in zip(shells, pieces, strict=False)])
-    loss = nn.functional.mse_loss(torch.cat(outs), y)
-    loss.backward()
-    return loss.item()
+def apply_executor(fns, inputs, timeout=60):
+    ex = ThreadPoolExecutor(len(fns))
+    try:
+        futs = [ex.submit(f, *a) for f, a in zip(fns, inputs, strict=True)]
+        end = time.monotonic() + timeout
+        for f in futs:
+            f.exception(timeout=max(0.0, end - time.monotonic()))
+        return [f.result() for f in futs]
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
 
 
-def step_weighted_chunk_losses(model, x, y, n):  # sum of chunk SSEs / all elements
-    total = 0
-    for xp, yp in zip(torch.chunk(x, n), torch.chunk(y, n), strict=True):
-        total = total + ((model(xp) - yp) ** 2).sum()
-    loss = total / y.numel()
-    loss.backward()
-    return loss
+class Applier:
+    def __call__(self, fns, inputs, timeout=60):
+        self.results = [None] * len(fns)
+        self.errors = []
+        threads = []
+        for i, (f, a) in enumerate(zip(fns, inputs, strict=True)):
+            t = threading.Thread(target=self.one, args=(i, f, a), daemon=True)
+            threads.append(t)
+            t.start()
+        stop = time.perf_counter() + timeout
+        for t in threads:
+            t.join(timeout=max(0, stop - time.perf_counter()))
+            if t.is_alive():
+                raise TimeoutError
+        if self.errors:
+            raise RuntimeError("a replica failed") from self.errors[0]
+        return list(self.results)
+
+    def one(self, i, f, a):
+        try:
+            self.results[i] = f(*a)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(e)
 
 
-def step_grads_summed_by_hand(model, x, y, n):
-    total = None
-    for xp, yp in zip(torch.chunk(x, n), torch.chunk(y, n), strict=True):
-        part = ((model(xp) - yp) ** 2).sum() / y.numel()
-        part.backward()
-        total = part.detach() if total is None else total + part.detach()
-    return total
+apply_class = Applier()
 
 
-@pytest.mark.parametrize("fn", [step_functional, step_threads,
-                                step_weighted_chunk_losses, step_grads_summed_by_hand])
-def test_right_steps_pass(fn):
-    ch05.check_data_parallel_step(fn)
+def apply_with_events(fns, inputs, timeout=60):
+    done = [threading.Event() for _ in fns]
+    box = [None] * len(fns)
+
+    def go(i):
+        try:
+            box[i] = ("ok", fns[i](*inputs[i]))
+        except Exception as e:  # noqa: BLE001
+            box[i] = ("err", e)
+        finally:
+            done[i].set()
+
+    for i in range(len(fns)):
+        threading.Thread(target=go, args=(i,), daemon=True).start()
+    t_end = time.monotonic() + timeout
+    for d in done:
+        if not d.wait(max(0, t_end - time.monotonic())):
+            raise TimeoutError("a thread did not finish")
+    for kind, v in box:
+        if kind == "err":
+            raise v
+    return [v for _, v in box]
 
 
-def test_wrong_steps_fail():
-    def mean_of_chunk_means(model, x, y, n):
-        losses = [nn.functional.mse_loss(model(xp), yp)
-                  for xp, yp in zip(torch.chunk(x, n), torch.chunk(y, n), strict=True)]
-        loss = sum(losses) / len(losses)
-        loss.backward()
-        return loss
+def apply_reversed_start(fns, inputs, timeout=60):  # starts the last first
+    outs = [None] * len(fns)
+    errs = []
+    ts = {}
+    for i in reversed(range(len(fns))):
+        def go(i=i):
+            try:
+                outs[i] = fns[i](*inputs[i])
+            except Exception as e:  # noqa: BLE001
+                errs.append(e)
+        ts[i] = threading.Thread(target=go)
+        ts[i].start()
+    end = time.monotonic() + timeout
+    for i in range(len(fns)):
+        ts[i].join(max(0, end - time.monotonic()))
+    if any(t.is_alive() for t in ts.values()):
+        raise TimeoutError
+    if errs:
+        raise errs[0]
+    return outs
 
-    def sum_of_chunk_means(model, x, y, n):
-        loss = sum(nn.functional.mse_loss(model(xp), yp)
-                   for xp, yp in zip(torch.chunk(x, n), torch.chunk(y, n), strict=True))
-        loss.backward()
-        return loss
 
-    def deepcopied_replicas(model, x, y, n):
-        outs = [copy.deepcopy(model)(xp) for xp in torch.chunk(x, n)]
-        loss = nn.functional.mse_loss(torch.cat(outs), y)
-        loss.backward()
-        return loss
+@pytest.mark.parametrize("fn", [apply_list_comp, apply_executor, apply_class,
+                                apply_with_events, apply_reversed_start])
+def test_right_applies_pass(fn):
+    ch05.check_apply_in_threads(fn)
 
-    def detached_copies(model, x, y, n):
-        params = {k: p.detach().clone().requires_grad_() for k, p in
-                  model.named_parameters()}
-        outs = [functional_call(copy.deepcopy(model), params, (xp,))
-                for xp in torch.chunk(x, n)]
-        loss = nn.functional.mse_loss(torch.cat(outs), y)
-        loss.backward()
-        return loss
 
-    def first_chunk_only(model, x, y, n):
-        xp, yp = torch.chunk(x, n)[0], torch.chunk(y, n)[0]
-        loss = nn.functional.mse_loss(model(xp), yp)
-        loss.backward()
-        return loss
+def test_wrong_applies_fail():
+    def serial(fns, inputs, timeout=60):
+        return [f(*a) for f, a in zip(fns, inputs, strict=True)]
 
-    def shared_module_in_threads(model, x, y, n):
-        params = dict(model.named_parameters())
-        outs = _threads([lambda p=p: functional_call(
-            model, {k: v.clone() for k, v in params.items()}, (p,))
-            for p in torch.chunk(x, n)])
-        loss = nn.functional.mse_loss(torch.cat(outs), y)
-        loss.backward()
-        return loss
+    def start_join_each(fns, inputs, timeout=60):
+        outs = [None] * len(fns)
+        for i in range(len(fns)):
+            t = threading.Thread(target=lambda i=i: outs.__setitem__(
+                i, fns[i](*inputs[i])))
+            t.start()
+            t.join(timeout)
+        return outs
 
-    def takes_a_step(model, x, y, n):
-        loss = step_functional(model, x, y, n)
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-        return loss
+    def completion_order(fns, inputs, timeout=60):
+        outs = []
+        ts = [threading.Thread(target=lambda f=f, a=a: outs.append(f(*a)))
+              for f, a in zip(fns, inputs, strict=True)]
+        [t.start() for t in ts]
+        [t.join(timeout) for t in ts]
+        return outs
 
-    def loss_times_n(model, x, y, n):
-        loss = nn.functional.mse_loss(model(x), y) * n
-        loss.backward()
-        return loss
+    def no_join(fns, inputs, timeout=60):
+        outs = [None] * len(fns)
+        for i in range(len(fns)):
+            threading.Thread(target=lambda i=i: outs.__setitem__(
+                i, fns[i](*inputs[i])), daemon=True).start()
+        return outs
 
-    def no_backward(model, x, y, n):
-        return nn.functional.mse_loss(model(x), y)
+    def errors_swallowed(fns, inputs, timeout=60):
+        outs = [None] * len(fns)
 
-    fails(ch05.check_data_parallel_step, mean_of_chunk_means, "mean of the chunks")
-    fails(ch05.check_data_parallel_step, sum_of_chunk_means, "loss of the whole batch")
-    fails(ch05.check_data_parallel_step, deepcopied_replicas, "no .grad")
-    fails(ch05.check_data_parallel_step, detached_copies, "no .grad")
-    fails(ch05.check_data_parallel_step, first_chunk_only, "loss of the whole batch")
-    fails(ch05.check_data_parallel_step, takes_a_step, "parameters unchanged")
-    fails(ch05.check_data_parallel_step, loss_times_n, "loss of the whole batch")
-    fails(ch05.check_data_parallel_step, no_backward, "no .grad")
-    # one module object shared by threads: the copies swapped in may stay behind,
-    # or the gradients come out wrong - either way it must not pass
-    with pytest.raises(ExerciseFailed) as err:
-        for _ in range(3):
-            ch05.check_data_parallel_step(shared_module_in_threads)
-    assert any(w in str(err.value) for w in ("own module object", "gradient")), \
-        str(err.value)
+        def go(i):
+            try:
+                outs[i] = fns[i](*inputs[i])
+            except Exception:  # noqa: BLE001
+                pass
+        ts = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+        [t.start() for t in ts]
+        [t.join(timeout) for t in ts]
+        return outs
+
+    def waits_for_ever(fns, inputs, timeout=60):
+        return apply_list_comp(fns, inputs, timeout=1e6)
+
+    def raises_at_once(fns, inputs, timeout=60):
+        errs, outs = [], [None] * len(fns)
+        ready = threading.Event()
+
+        def go(i):
+            try:
+                outs[i] = fns[i](*inputs[i])
+            except Exception as e:  # noqa: BLE001
+                errs.append(e)
+                ready.set()
+        ts = [threading.Thread(target=go, args=(i,), daemon=True)
+              for i in range(len(fns))]
+        [t.start() for t in ts]
+        if ready.wait(0.1) and errs:
+            raise errs[0]
+        [t.join(timeout) for t in ts]
+        return outs
+
+    def new_error(fns, inputs, timeout=60):
+        try:
+            return apply_list_comp(fns, inputs, timeout)
+        except TimeoutError:
+            raise
+        except Exception:
+            raise RuntimeError("something failed") from None
+
+    def inputs_not_unpacked(fns, inputs, timeout=60):
+        return apply_list_comp(fns, [(a[0],) for a in inputs], timeout)
+
+    state = []
+
+    def state_kept(fns, inputs, timeout=60):
+        state.extend([None] * len(fns))
+        start = len(state) - len(fns)
+
+        def go(i):
+            state[start + i] = fns[i](*inputs[i])
+        ts = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+        [t.start() for t in ts]
+        [t.join(timeout) for t in ts]
+        return list(state)
+
+    def timeout_each(fns, inputs, timeout=60):  # `timeout` per thread, not in all
+        return apply_list_comp(fns, inputs, timeout * 3 * len(fns))
+
+    def first_inline(fns, inputs, timeout=60):  # the first in the caller's thread
+        others = [threading.Thread(target=fns[i], args=inputs[i])
+                  for i in range(1, len(fns))]
+        [t.start() for t in others]
+        first = fns[0](*inputs[0])
+        [t.join(timeout) for t in others]
+        return [first] + [None] * (len(fns) - 1)
+
+    fails(ch05.check_apply_in_threads, serial, "one after the other")
+    fails(ch05.check_apply_in_threads, start_join_each, "one after the other")
+    fails(ch05.check_apply_in_threads, completion_order, "order")
+    fails(ch05.check_apply_in_threads, no_join, "join every thread")
+    fails(ch05.check_apply_in_threads, errors_swallowed, "raised in the caller")
+    fails(ch05.check_apply_in_threads, waits_for_ever, "TimeoutError")
+    fails(ch05.check_apply_in_threads, raises_at_once, "joined before")
+    fails(ch05.check_apply_in_threads, new_error, "own error")
+    fails(ch05.check_apply_in_threads, inputs_not_unpacked, "unpack")
+    fails(ch05.check_apply_in_threads, state_kept, "empty list on every call")
+    fails(ch05.check_apply_in_threads, timeout_each, "one deadline")
+    fails(ch05.check_apply_in_threads, first_inline, "thread of its own")
 
 
 # ---------------------------------------------------------------- 5.3
 
 
-def rm_module(bn, x, n):
-    bn.train()
-    bn(torch.chunk(x, n)[0])
-    return bn.running_mean
+def _size(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def rm_formula(bn, x, n):
-    first = torch.chunk(x, n)[0]
-    return (1 - bn.momentum) * bn.running_mean + bn.momentum * first.mean(0)
+def bytes_dict_of_states(model, n, optimizer):
+    s = _size(model)
+    k = dict(sgd=0, momentum=1, adam=2)[optimizer]
+    return [s * (2 + k)] if n == 1 else [s * (3 + k), *([2 * s] * (n - 1))]
 
 
-def rm_replica(bn, x, n):
-    replica = copy.deepcopy(bn).train()
-    replica(x[: math.ceil(x.shape[0] / n)])
-    return replica.running_mean.clone()
+def bytes_per_parameter(model, n, optimizer):
+    out = []
+    for d in range(n):
+        total = 0
+        for p in model.parameters():
+            per = p.element_size()
+            if d == 0:
+                total += p.numel() * per * (2 + (n > 1))
+                states = {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
+                total += p.numel() * per * states
+            else:
+                total += 2 * p.numel() * per
+        out.append(total)
+    return out
 
 
-def rm_lerp(bn, x, n):
-    first = torch.chunk(x, n)[0]
-    return torch.lerp(bn.running_mean, first.mean(dim=0), bn.momentum)
+def bytes_from_state_dict(model, n, optimizer):
+    s = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    states = 2 if optimizer == "adam" else int(optimizer == "momentum")
+    first = s + s + states * s + (s if n > 1 else 0)
+    return [first] + [s + s for _ in range(n - 1)]
 
 
-@pytest.mark.parametrize("fn", [rm_module, rm_formula, rm_replica, rm_lerp])
-def test_right_running_means_pass(fn):
-    ch05.check_dp_running_mean(fn)
+def bytes_as_tuple_of_floats(model, n, optimizer):
+    return tuple(float(v) for v in bytes_dict_of_states(model, n, optimizer))
 
 
-def test_wrong_running_means_fail():
-    def whole_batch(bn, x, n):
-        bn.train()
-        bn(x)
-        return bn.running_mean
+def bytes_counted_for_real(model, n, optimizer):
+    return ch05.counted_dp_bytes(model, n, optimizer)
 
-    def last_chunk(bn, x, n):
-        bn.train()
-        bn(torch.chunk(x, n)[-1])
-        return bn.running_mean
 
-    def average_of_replicas(bn, x, n):
-        means = []
-        for piece in torch.chunk(x, n):
-            r = copy.deepcopy(bn).train()
-            r(piece)
-            means.append(r.running_mean)
-        return torch.stack(means).mean(0)
+@pytest.mark.parametrize("fn", [bytes_dict_of_states, bytes_per_parameter,
+                                bytes_from_state_dict, bytes_as_tuple_of_floats,
+                                bytes_counted_for_real])
+def test_right_predictions_pass(fn):
+    ch05.check_predict_dp_bytes(fn)
 
-    def chunk_mean_only(bn, x, n):
-        return torch.chunk(x, n)[0].mean(0)
 
-    def unchanged(bn, x, n):
-        return bn.running_mean
+def test_wrong_predictions_fail():
+    def no_replica_grads(model, n, optimizer):  # the "four times" count
+        s = _size(model)
+        k = dict(sgd=0, momentum=1, adam=2)[optimizer]
+        return [s * (2 + k)] + [s] * (n - 1)
 
-    def eval_mode(bn, x, n):
-        bn.eval()
-        bn(torch.chunk(x, n)[0])
-        return bn.running_mean
+    def states_everywhere(model, n, optimizer):
+        s = _size(model)
+        k = dict(sgd=0, momentum=1, adam=2)[optimizer]
+        return bytes_dict_of_states(model, n, optimizer)[:1] + \
+            [s * (2 + k)] * (n - 1)
 
-    def wrong_momentum(bn, x, n):
-        first = torch.chunk(x, n)[0]
-        return 0.9 * bn.running_mean + 0.1 * first.mean(0)
+    def float32_assumed(model, n, optimizer):
+        s = 4 * sum(p.numel() for p in model.parameters())
+        k = dict(sgd=0, momentum=1, adam=2)[optimizer]
+        return [s * (2 + k)] if n == 1 else [s * (3 + k)] + [2 * s] * (n - 1)
 
-    def every_replica_in_turn(bn, x, n):  # one shared module updated n times
-        bn.train()
-        for piece in torch.chunk(x, n):
-            bn(piece)
-        return bn.running_mean
+    def one_device_like_many(model, n, optimizer):
+        s = _size(model)
+        k = dict(sgd=0, momentum=1, adam=2)[optimizer]
+        return [s * (3 + k)] + [2 * s] * (n - 1)
 
-    def as_list(bn, x, n):
-        return rm_formula(bn, x, n).tolist()
+    def one_gradient_on_device0(model, n, optimizer):
+        s = _size(model)
+        k = dict(sgd=0, momentum=1, adam=2)[optimizer]
+        return [s * (2 + k)] + [2 * s] * (n - 1)
 
-    fails(ch05.check_dp_running_mean, whole_batch, "full batch")
-    fails(ch05.check_dp_running_mean, last_chunk, "last chunk")
-    fails(ch05.check_dp_running_mean, average_of_replicas, "average of every")
-    fails(ch05.check_dp_running_mean, chunk_mean_only, "chunk's mean itself")
-    fails(ch05.check_dp_running_mean, unchanged, "unchanged")
-    fails(ch05.check_dp_running_mean, eval_mode, "unchanged")
-    fails(ch05.check_dp_running_mean, wrong_momentum, "momentum")
-    fails(ch05.check_dp_running_mean, every_replica_in_turn, "in turn")
-    fails(ch05.check_dp_running_mean, as_list, "running_mean tensor")
+    def reversed_list(model, n, optimizer):
+        return bytes_dict_of_states(model, n, optimizer)[::-1]
+
+    def in_gib(model, n, optimizer):
+        return [v / 2**30 for v in bytes_dict_of_states(model, n, optimizer)]
+
+    def adam_always(model, n, optimizer):
+        return bytes_dict_of_states(model, n, "adam")
+
+    def four_devices(model, n, optimizer):
+        return bytes_dict_of_states(model, 4, optimizer)
+
+    def replica0_params_twice(model, n, optimizer):
+        out = bytes_dict_of_states(model, n, optimizer)
+        return [out[0] + _size(model) * (n > 1)] + out[1:]
+
+    def momentum_as_two(model, n, optimizer):
+        s = _size(model)
+        k = dict(sgd=0, momentum=2, adam=2)[optimizer]
+        return [s * (2 + k)] if n == 1 else [s * (3 + k)] + [2 * s] * (n - 1)
+
+    fails(ch05.check_predict_dp_bytes, no_replica_grads, "gradient that reaches")
+    fails(ch05.check_predict_dp_bytes, states_everywhere, "device 0 only")
+    fails(ch05.check_predict_dp_bytes, float32_assumed, "element_size")
+    fails(ch05.check_predict_dp_bytes, one_device_like_many, "module itself")
+    fails(ch05.check_predict_dp_bytes, one_gradient_on_device0, "two gradients")
+    fails(ch05.check_predict_dp_bytes, reversed_list, "device 0 first")
+    fails(ch05.check_predict_dp_bytes, in_gib, "in bytes")
+    fails(ch05.check_predict_dp_bytes, adam_always, "momentum keeps one")
+    fails(ch05.check_predict_dp_bytes, four_devices, "one per device")
+    fails(ch05.check_predict_dp_bytes, replica0_params_twice, "on device 0")
+    fails(ch05.check_predict_dp_bytes, momentum_as_two, "momentum keeps one")

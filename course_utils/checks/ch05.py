@@ -1,188 +1,466 @@
 """Checkers for Chapter 5 (DataParallel and its primitives).
 
-5.1 compares the learner's scatter with ``torch.chunk`` semantics on uneven
-batches, other dims and more devices than rows; 5.2 runs a hand-made
-data-parallel step and compares loss and gradients with one device, on
-uneven chunks where "mean of the chunk means" differs from the batch mean;
-5.3 checks BatchNorm's running statistics after a DataParallel step: only
-replica 0's survive.
+5.1 takes the learner's ``make_replicas`` and runs its replicas the way
+DataParallel would - on unequal pieces of a batch, in threads at once, float32
+and float64 models, with BatchNorm - and compares outputs, gradients on the
+original parameters and buffers with one device. 5.2 gives the learner's
+``apply_in_threads`` functions that meet at a barrier (so they must run at
+once), finish out of order, raise, or never finish. 5.3 compares a predicted
+memory count per device with bytes counted on real tensors of a hand-made
+DataParallel step. Every call of learner code runs inside a timeout.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    ExerciseFailed,
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+)
+
+TIMEOUT_S = 20.0
+_CALLER: list[int] = []  # the thread the guard ran the learner's code in
+
+
+def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S, raw: bool = False):
+    """Call learner code in a thread; fail kindly if it does not return in time.
+
+    ``raw`` returns ``("error", exception)`` instead of turning what the
+    learner's code raised into a failure."""
+    out: dict = {}
+
+    def target():
+        _CALLER[:] = [threading.get_ident()]
+        try:
+            out["value"] = fn(*args) if raw else call_learner(ex, fn, *args)
+        except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        fail(ex, f"your code to finish within {timeout:.0f} s",
+             "it was still running", "join threads with a timeout; never wait for "
+             "something that may not happen")
+    if "error" in out:
+        if raw and not isinstance(out["error"], ExerciseFailed):
+            return "error", out["error"]
+        raise out["error"]
+    return ("value", out["value"]) if raw else out["value"]
+
+
+class _Pause(nn.Module):
+    """A layer that takes a while (a sleep lets the other threads run), so that
+    replicas run in threads really overlap, however busy the machine."""
+
+    def forward(self, x):
+        time.sleep(0.01)
+        return x
+
 
 # ---------------------------------------------------------------- exercise 5.1
 
-SCATTER_CASES = [((30, 5), 4, 0), ((6, 3), 4, 0), ((7, 2), 3, 0), ((2, 11, 3), 3, 1),
-                 ((5, 9), 2, -1), ((12,), 3, 0), ((1, 4), 3, 0)]
+def _models():
+    torch.manual_seed(11)
+    yield "Linear-Tanh-Linear, float32", nn.Sequential(
+        nn.Linear(5, 7), _Pause(), nn.Tanh(), nn.Linear(7, 3)), torch.float32
+    m = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), _Pause(), nn.Linear(4, 3)).double()
+    with torch.no_grad():  # mixed magnitudes: a float32 copy loses the small ones
+        m[0].weight.mul_(torch.logspace(-6, 3, 5, dtype=torch.float64))
+        m[3].bias.add_(1e8)
+    yield "float64, mixed magnitudes", m, torch.float64
+    yield "with BatchNorm", nn.Sequential(nn.Linear(5, 4), _Pause(),
+                                          nn.BatchNorm1d(4), nn.Linear(4, 3)), \
+        torch.float32
 
 
-def check_scatter_batch(scatter_batch) -> None:
+REPLICA_CASES = [(10, 3), (7, 2), (5, 1), (9, 4)]  # rows, devices: unequal pieces
+
+
+def _run_replicas_in_threads(ex, replicas, pieces):
+    outs = [None] * len(pieces)
+    errors = []
+
+    def run(i):
+        try:
+            outs[i] = replicas[i](pieces[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True)
+               for i in range(len(pieces))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    if any(t.is_alive() for t in threads):
+        fail(ex, "each replica to return", "a replica still running after "
+             f"{TIMEOUT_S:.0f} s")
+    if errors:
+        e = errors[0]
+        fail(ex, "replicas that run on their pieces, in threads at once",
+             f"a replica raised {type(e).__name__}: {str(e).splitlines()[0]:.100}",
+             "each replica: its own module object (a deepcopy) and its own copies "
+             "of the module's current parameters, in the module's dtype")
+    return outs
+
+
+def check_make_replicas(make_replicas) -> None:
     ex = "5.1"
-    require_solution(ex, scatter_batch)
-    g = torch.Generator().manual_seed(5)
-    for shape, n, dim in SCATTER_CASES:
-        x = torch.randn(shape, generator=g)
-        got = call_learner(ex, scatter_batch, x, n, dim)
-        want = torch.chunk(x, n, dim)
-        case = f"shape {tuple(shape)}, {n} devices, dim={dim}"
-        if isinstance(got, torch.Tensor) or not hasattr(got, "__len__"):
-            fail(ex, "a list of tensors, one per device used", f"{type(got).__name__}",
-                 "return the pieces, e.g. as a list")
-        sizes = [tuple(t.shape) for t in got]
-        wsizes = [tuple(t.shape) for t in want]
-        if sizes != wsizes:
-            hint = ("DataParallel cuts pieces of ceil(rows / devices) rows, like "
-                    "torch.chunk, so the last piece is smaller and a device can be "
-                    "left idle; tensor_split and array_split balance instead")
-            if len(sizes) == len(wsizes) and sorted(sizes) == sorted(wsizes):
-                hint = "the pieces must be in the batch's order"
-            fail(ex, f"pieces of shapes {wsizes} ({case})", str(sizes), hint)
-        for a, b in zip(got, want, strict=True):
-            if not torch.equal(a, b):
-                fail(ex, f"the batch's rows in order ({case})",
-                     "pieces with other values", "cut along `dim`, without "
-                     "shuffling or copying values around")
-    passed(ex, "Uneven batches, other dims, more devices than rows.")
+    require_solution(ex, make_replicas)
+    g = torch.Generator().manual_seed(4)
+    cpu = torch.device("cpu")
+    for what, model, dtype in _models():
+        for rows, n in REPLICA_CASES:
+            case = f"{what}, {rows} rows on {n} devices"
+            with torch.no_grad():  # another state each time: nothing may be cached
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+            x = torch.randn(rows, 5, generator=g, dtype=dtype) * 3
+            ref = copy.deepcopy(model)
+            ref.train()
+            pieces = list(torch.chunk(x, n))
+            # one device, piece by piece (BatchNorm sees pieces, as replicas do)
+            ref_outs = [functional_call(ref, {k: b.clone() for k, b in
+                                              ref.named_buffers()}, (p,)) if i
+                        else ref(p) for i, p in enumerate(pieces)]
+            weights = [float(i + 1) for i in range(len(pieces))]
+            sum(w * o.square().sum() for w, o in zip(weights, ref_outs,
+                                                     strict=True)).backward()
+            mine = copy.deepcopy(model)
+            mine.train()
+            mine.zero_grad(set_to_none=True)
+            before = [p.detach().clone() for p in mine.parameters()]
+            params_before = list(mine.parameters())
+            replicas = _guarded(ex, make_replicas, mine, [cpu] * n)
+            try:
+                replicas = list(replicas)
+            except TypeError:
+                fail(ex, f"a list of {n} replicas ({case})",
+                     f"{type(replicas).__name__}")
+            if len(replicas) != n:
+                fail(ex, f"{n} replicas, one per device ({case})",
+                     f"{len(replicas)}", "one replica per entry of `devices`")
+            if not all(callable(r) for r in replicas):
+                fail(ex, f"callable replicas: replica(x) ({case})",
+                     f"{[type(r).__name__ for r in replicas]}",
+                     "return modules, or functions of the input")
+            outs = _run_replicas_in_threads(ex, replicas, pieces)
+            now = list(mine.parameters())
+            if len(now) != len(params_before) or any(
+                    a is not b for a, b in zip(now, params_before, strict=True)) or any(
+                    not isinstance(p, nn.Parameter) for p in mine.parameters()):
+                fail(ex, f"the module's own parameters left in place ({case})",
+                     "parameters replaced", "copy the parameters for the replicas; "
+                     "do not swap them into the original module")
+            for i, (o, r) in enumerate(zip(outs, ref_outs, strict=True)):
+                if not isinstance(o, torch.Tensor) or o.shape != r.shape:
+                    fail(ex, f"replica {i}'s output of shape {tuple(r.shape)} ({case})",
+                         f"{o!r:.60}")
+                if o.dtype != r.dtype:
+                    fail(ex, f"outputs in the model's dtype, {r.dtype} ({case})",
+                         f"{o.dtype}", "copy the parameters as they are: no .float()")
+                if not torch.allclose(o, r, rtol=1e-5, atol=1e-6):
+                    fail(ex, f"replica {i}'s output equal to the module's ({case})",
+                         f"differs by {(o - r).abs().max().item():.3g}",
+                         "replicas running at once must not share one module object: "
+                         "functional_call swaps tensors into the module it is given")
+            if not all(o.requires_grad for o in outs):
+                fail(ex, f"outputs that backward can follow ({case})",
+                     "an output that does not require grad",
+                     "copy the parameters with clone() (recorded by autograd), not "
+                     "detach() or deepcopy")
+            sum(w * o.square().sum() for w, o in zip(weights, outs,
+                                                     strict=True)).backward()
+            for (name, p), q in zip(mine.named_parameters(), ref.parameters(),
+                                    strict=True):
+                if p.grad is None:
+                    fail(ex, f"a gradient on the original parameter {name} ({case})",
+                         "none reached it", "replicas need differentiable copies "
+                         "(p.clone() or p.to(device)), not a deepcopy or a detach, so "
+                         "that backward flows back to the original")
+                if not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6):
+                    ratio = (p.grad.norm() / q.grad.norm()).item()
+                    fail(ex, f"the gradients of every replica summed on {name} "
+                         f"({case})", f"a gradient {ratio:.3g}x as large",
+                         "each replica's copy must come from the original parameter, "
+                         "so that every replica's gradient adds up there")
+            if any(not torch.equal(p.detach(), b) for p, b in
+                   zip(mine.parameters(), before, strict=True)):
+                fail(ex, f"the parameters unchanged ({case})", "changed parameters")
+            for (name, b), rb in zip(mine.named_buffers(), ref.buffers(), strict=True):
+                if torch.equal(b, rb):
+                    continue
+                seen = ("the module's buffers not updated at all" if n > 1 and
+                        name.endswith("num_batches_tracked") and b.item() == 0 else
+                        f"{name} = {b.tolist()!s:.60} instead of {rb.tolist()!s:.60}")
+                fail(ex, f"only replica 0's update of the buffers kept ({case})", seen,
+                     "replica 0 runs with the module's own buffers, every other "
+                     "replica with copies of its own (so no two threads update one "
+                     "buffer, and the others' updates are dropped)")
+            # called again once the parameters changed: replicas of the module now
+            with torch.no_grad():
+                for p in mine.parameters():
+                    p.mul_(-0.5)
+            again = list(_guarded(ex, make_replicas, mine, [cpu] * n))
+            outs = _run_replicas_in_threads(ex, again, pieces)
+            for i, o in enumerate(outs):
+                with torch.no_grad():
+                    want = functional_call(mine, {k: b.clone() for k, b in
+                                                  mine.named_buffers()}, (pieces[i],))
+                if not torch.allclose(o.detach(), want, rtol=1e-5, atol=1e-6):
+                    fail(ex, f"replicas of the module as it is now ({case}, called "
+                         "again after its parameters changed)", "replicas of an "
+                         "older state", "make new copies at every call: DataParallel "
+                         "replicates at every step, because the parameters change")
+    passed(ex, "Equal to one device, forward and backward, run in threads at once; "
+           "replica 0's buffers kept.")
 
 
 # ---------------------------------------------------------------- exercise 5.2
 
+class _Meeting:
+    """Functions that meet at a barrier: they complete only when run at once."""
 
-class _Pause(nn.Module):
-    """A layer that takes a while (a sleep: it lets other threads run), as a real
-    layer does: replicas run in threads really overlap, so one module object
-    shared by the threads shows its race on every run, however busy the machine."""
+    def __init__(self, n):
+        self.barrier = threading.Barrier(n, timeout=3)
+        self.threads = []
+        self.finished = []
+        self.broken = False
 
-    def forward(self, x):
-        time.sleep(0.02)
+    def make(self, i, slow=False):
+        def fn(x, scale=1.0):
+            self.threads.append(threading.get_ident())
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:
+                self.broken = True
+                raise
+            if slow:
+                time.sleep(0.2)  # the first finishes last: order is not free
+            self.finished.append(i)
+            return x * scale + i
+        return fn
+
+
+def _apply(ex, fn, fns, inputs, timeout=None, guard=TIMEOUT_S):
+    args = (fns, inputs) if timeout is None else (fns, inputs, timeout)
+    return _guarded(ex, fn, *args, raw=True, timeout=guard)
+
+
+def check_apply_in_threads(apply_in_threads) -> None:
+    ex = "5.2"
+    require_solution(ex, apply_in_threads)
+    g = torch.Generator().manual_seed(2)
+    for n, kind in ((3, torch.float32), (1, torch.float64), (4, torch.float64),
+                    (2, torch.float32)):
+        case = f"{n} functions"
+        meet = _Meeting(n)
+        fns = [meet.make(i, slow=i == 0) for i in range(n)]
+        xs = [torch.randn(i + 2, 3, generator=g, dtype=kind) for i in range(n)]
+        inputs = [(x,) if i % 2 == 0 else (x, 2.0) for i, x in enumerate(xs)]
+        status, got = _apply(ex, apply_in_threads, fns, inputs)
+        if meet.broken:
+            fail(ex, f"{n} functions running at once ({case})",
+                 "they ran one after the other (they never all met)",
+                 "start every thread first, then join them all")
+        if status == "error":
+            e = got
+            if isinstance(e, threading.BrokenBarrierError) or "Barrier" in repr(e):
+                fail(ex, f"{n} functions running at once ({case})",
+                     "they ran one after the other (they never all met)",
+                     "start every thread first, then join them all")
+            fail(ex, f"apply_in_threads to run ({case})",
+                 f"it raised {type(e).__name__}: {str(e).splitlines()[0]:.80}")
+        if set(_CALLER) & set(meet.threads):
+            fail(ex, f"each function in a thread of its own ({case})",
+                 "one ran in the calling thread", "start a thread per function, "
+                 "even for one function")
+        want = [x * (1.0 if i % 2 == 0 else 2.0) + i for i, x in enumerate(xs)]
+        try:
+            got = list(got)
+        except TypeError:
+            fail(ex, f"a list of {n} outputs ({case})", f"{type(got).__name__}")
+        if len(got) != n:
+            fail(ex, f"{n} outputs ({case})", f"{len(got)}",
+                 "one output per function; start from an empty list on every call")
+        if any(o is None for o in got):
+            fail(ex, f"every output filled in ({case})", "None among them",
+                 "join every thread before reading the outputs")
+        if any(not isinstance(o, torch.Tensor) or o.shape != w.shape
+               for o, w in zip(got, want, strict=True)):
+            fail(ex, f"outputs in the order of the functions ({case})",
+                 f"shapes {[tuple(getattr(o, 'shape', ())) for o in got]}",
+                 "store each output at its function's index, not in the order "
+                 "the threads finish")
+        for i, (o, w) in enumerate(zip(got, want, strict=True)):
+            if not torch.equal(o, w):
+                fail(ex, f"output {i} = fns[{i}](*inputs[{i}]) ({case})",
+                     "another value", "unpack each input tuple: fns[i](*inputs[i])")
+        if len(set(meet.threads)) != n:
+            fail(ex, f"{n} threads, one per function ({case})",
+                 f"{len(set(meet.threads))}")
+    # a function that raises: its error reaches the caller, after every thread ended
+    slow_done = []
+
+    def slow(x):
+        time.sleep(0.3)
+        slow_done.append(True)
         return x
 
+    def broken(x):
+        raise ValueError("replica 1 failed on purpose")
 
-def _models(g):
-    torch.manual_seed(int(torch.randint(0, 1000, (1,), generator=g)))
-    yield nn.Sequential(nn.Linear(4, 8), _Pause(), nn.Tanh(), nn.Linear(8, 2))
-    yield nn.Sequential(nn.Linear(4, 3), nn.ReLU(), _Pause(), nn.Linear(3, 2),
-                        nn.Sigmoid())
+    status, got = _apply(ex, apply_in_threads, [slow, broken],
+                         [(torch.ones(2),), (torch.ones(2),)])
+    if status != "error":
+        fail(ex, "the error of a failing function raised in the caller",
+             f"it returned {got!r:.60}", "keep each thread's exception and raise it "
+             "after joining, as torch's parallel_apply does")
+    chain = [got, got.__cause__,
+             None if got.__suppress_context__ else got.__context__]
+    if not any(isinstance(e, ValueError) or "replica 1 failed" in str(e)
+               for e in chain if e is not None):
+        fail(ex, "the failing function's own error (ValueError: replica 1 failed)",
+             f"{type(got).__name__}: {got}", "raise the exception the thread caught, "
+             "not a new one without it")
+    if not slow_done:
+        fail(ex, "every thread joined before the error is raised",
+             "raised while another function was still running",
+             "join all threads first, then raise")
+    # a function that never finishes: give up after `timeout`
+    stop = threading.Event()
 
+    def stuck(x):
+        stop.wait(30)
+        return x
 
-STEP_CASES = [(10, 3), (7, 2), (12, 4), (5, 3)]  # batch, devices (uneven chunks)
-
-
-def check_data_parallel_step(data_parallel_step) -> None:
-    ex = "5.2"
-    require_solution(ex, data_parallel_step)
-    g = torch.Generator().manual_seed(3)
-    for model in _models(g):
-        for batch, n in STEP_CASES:
-            x = torch.randn(batch, 4, generator=g)
-            y = torch.randn(batch, 2, generator=g)
-            ref = copy.deepcopy(model)
-            ref_loss = nn.functional.mse_loss(ref(x), y)
-            ref_loss.backward()
-            mine = copy.deepcopy(model)
-            mine.zero_grad(set_to_none=True)
-            loss = call_learner(ex, data_parallel_step, mine, x, y, n)
-            case = f"a batch of {batch} on {n} devices"
-            if any(not p.is_leaf for p in mine.parameters()):
-                fail(ex, f"the model's own parameters left in place ({case})",
-                     "parameters replaced by copies",
-                     "each replica needs its own module object: functional_call on "
-                     "one module shared by several threads swaps tensors in and out "
-                     "of it at the same time")
-            if any(p.grad is None for p in mine.parameters()):
-                fail(ex, f"gradients on the original model's parameters ({case})",
-                     "no .grad on some of them",
-                     "replicas must be differentiable copies of the parameters (a "
-                     "clone, not a deepcopy or a detach), so that backward reaches "
-                     "the original parameters and sums there")
-            try:
-                loss_value = float(loss.detach() if isinstance(loss, torch.Tensor)
-                                   else loss)
-            except (TypeError, ValueError):
-                fail(ex, "the loss of the whole batch, a number or a 0-d tensor",
-                     f"{type(loss).__name__}")
-            ref_value = ref_loss.item()
-            if abs(loss_value - ref_value) > 1e-5 * max(1, abs(ref_value)):
-                fail(ex, f"the loss of the whole batch, {ref_value:.6f} ({case})",
-                     f"{loss_value:.6f}",
-                     "gather the outputs first, then one loss over "
-                     "the whole batch: the mean of the chunks' means is not the batch "
-                     "mean when the chunks are unequal")
-            for (name, p), q in zip(mine.named_parameters(), ref.parameters(),
-                                    strict=True):
-                if not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6):
-                    ratio = (p.grad.norm() / q.grad.norm()).item()
-                    fail(ex, f"the single-device gradient of {name} ({case})",
-                         f"a gradient {ratio:.3g}x as large",
-                         "one backward of the batch loss; each replica's share of the "
-                         "gradient must flow back and add up on the original")
-            for p, q in zip(mine.parameters(), model.parameters(), strict=True):
-                if not torch.equal(p.detach(), q.detach()):
-                    fail(ex, "the parameters unchanged (a step computes gradients)",
-                         "changed parameters", "leave the optimizer step out")
-    passed(ex, "Loss and gradients equal one device's, on unequal chunks.")
+    t0 = time.perf_counter()
+    try:
+        status, got = _apply(ex, apply_in_threads, [stuck, slow],
+                             [(torch.ones(1),), (torch.ones(1),)], 0.5, guard=5)
+    except ExerciseFailed:
+        fail(ex, "TimeoutError when a function is still running after `timeout` s",
+             "still waiting after 5 s (timeout was 0.5 s)",
+             "join each thread with the time left, then check is_alive()")
+    finally:
+        stop.set()
+    took = time.perf_counter() - t0
+    if status != "error" or not isinstance(got, TimeoutError):
+        fail(ex, "TimeoutError when a function is still running after `timeout` s",
+             f"{'it returned' if status == 'value' else 'it raised'} "
+             f"{type(got).__name__} after {took:.1f} s",
+             "join each thread with the time left, then check is_alive()")
+    if took > 2.5:
+        fail(ex, "to give up after about `timeout` = 0.5 s", f"{took:.1f} s",
+             "one deadline for all threads, not `timeout` for each")
+    passed(ex, "In order, in threads at once, errors raised, and never stuck.")
 
 
 # ---------------------------------------------------------------- exercise 5.3
 
-BN_CASES = [(10, 3, 0.1), (9, 2, 0.5), (6, 4, 0.1), (13, 3, 0.3)]
+def counted_dp_bytes(model: nn.Module, n: int, optimizer: str) -> list[int]:
+    """Bytes per device at the end of the backward of DataParallel's second step
+    (parameters, gradients, optimizer state; activations left out), counted on
+    the tensors of a hand-made DataParallel step on ``n`` CPU "devices"."""
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=1e-3),
+           "momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+           "adam": lambda: torch.optim.Adam(params, lr=1e-3)}[optimizer]()
+    first = params[0]
+    x = torch.randn(2 * n, model[0].in_features, dtype=first.dtype)
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        held = [0] * n
+        if n == 1:  # DataParallel with one device calls the module itself
+            model(x).float().square().mean().backward()
+        else:
+            outs = []
+            for i, piece in enumerate(torch.chunk(x, n)):
+                copies = {k: p.clone() for k, p in model.named_parameters()}
+                for t in copies.values():
+                    held[i] += size(t) if i else 0  # replica 0: the originals
+                    t.register_hook(lambda g, i=i, held=held: held.__setitem__(
+                        i, held[i] + size(g)))
+                outs.append(functional_call(model, copies, (piece,)))
+            torch.cat(outs).float().square().mean().backward()
+        if step == 0:
+            opt.step()
+    state = [v for s in opt.state.values() for v in s.values()
+             if torch.is_tensor(v) and v.dim() > 0]  # Adam's step counters left out
+    held[0] += sum(size(p) + size(p.grad) for p in params) + sum(map(size, state))
+    return held
 
 
-def check_dp_running_mean(dp_running_mean) -> None:
+def _memory_models():
+    torch.manual_seed(0)
+    yield "float32", nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 6))
+    yield "float64", nn.Sequential(nn.Linear(12, 40), nn.ReLU(),
+                                   nn.Linear(40, 3)).double()
+    yield "bfloat16", nn.Sequential(nn.Linear(8, 50), nn.Linear(50, 8)).bfloat16()
+
+
+MEMORY_CASES = [(4, "adam"), (3, "sgd"), (2, "momentum"), (1, "adam"), (8, "momentum")]
+
+
+def check_predict_dp_bytes(predict_dp_bytes) -> None:
     ex = "5.3"
-    require_solution(ex, dp_running_mean)
-    g = torch.Generator().manual_seed(9)
-    for batch, n, momentum in BN_CASES:
-        bn = nn.BatchNorm1d(3, momentum=momentum)
-        with torch.no_grad():
-            bn.running_mean.copy_(torch.randn(3, generator=g))
-        x = torch.randn(batch, 3, generator=g) * 2 + torch.arange(batch)[:, None] * 0.5
-        start = bn.running_mean.clone()
-        got = call_learner(ex, dp_running_mean, copy.deepcopy(bn), x, n)
-        first = torch.chunk(x, n)[0]
-        want = (1 - momentum) * start + momentum * first.mean(0)
-        full = (1 - momentum) * start + momentum * x.mean(0)
-        case = f"a batch of {batch} on {n} devices, momentum {momentum}"
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            fail(ex, "the running_mean tensor, of shape (3,)", f"{got!r:.60}")
-        if torch.allclose(got, want, atol=1e-5):
-            continue
-        if torch.allclose(got, full, atol=1e-5):
-            fail(ex, f"replica 0's update only ({case})",
-                 "the full batch's statistics", "under DataParallel each replica "
-                 "sees its own chunk, and only replica 0's buffers are kept")
-        last = (1 - momentum) * start + momentum * torch.chunk(x, n)[-1].mean(0)
-        if torch.allclose(got, last, atol=1e-5):
-            fail(ex, f"replica 0's update ({case})", "the last chunk's",
-                 "replica 0 gets the first chunk")
-        if torch.allclose(got, start, atol=1e-6):
-            fail(ex, f"replica 0's update ({case})", "the running mean unchanged",
-                 "replica 0 runs in train mode on its chunk, so its statistics move")
-        if torch.allclose(got, first.mean(0), atol=1e-5):
-            fail(ex, f"replica 0's update ({case})", "the chunk's mean itself",
-                 "a running mean moves by momentum towards the chunk's mean")
-        pieces = torch.chunk(x, n)
-        avg = torch.stack([(1 - momentum) * start + momentum * p.mean(0)
-                           for p in pieces]).mean(0)
-        if len(pieces) > 1 and torch.allclose(got, avg, atol=1e-5):
-            fail(ex, f"replica 0's update ({case})", "the average of every replica's",
-                 "DataParallel never averages buffers: the other replicas' "
-                 "statistics are lost")
-        seq = start.clone()
-        for p in pieces:
-            seq = (1 - momentum) * seq + momentum * p.mean(0)
-        if len(pieces) > 1 and torch.allclose(got, seq, atol=1e-5):
-            fail(ex, f"replica 0's update ({case})", "one module updated by every "
-                 "chunk in turn", "each replica is a separate copy; only replica 0's "
-                 "update is kept")
-        fail(ex, f"{want.tolist()} ({case})", str(got.tolist()),
-             "one BatchNorm update, with replica 0's chunk and the module's momentum")
-    passed(ex, "Only replica 0's statistics survive a DataParallel step.")
+    require_solution(ex, predict_dp_bytes)
+    for what, model in _memory_models():
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        for n, optimizer in MEMORY_CASES:
+            case = (f"a {what} model of {nbytes} parameter bytes, {n} devices, "
+                    f"{optimizer}")
+            want = counted_dp_bytes(model, n, optimizer)
+            got = _guarded(ex, predict_dp_bytes, copy.deepcopy(model), n, optimizer)
+            try:
+                got = [float(v) for v in got]
+            except (TypeError, ValueError):
+                fail(ex, f"a list of {n} byte counts ({case})", f"{got!r:.60}")
+            if len(got) != n:
+                fail(ex, f"{n} counts, one per device ({case})", f"{len(got)}")
+            if got == want:
+                continue
+            per = [v / nbytes for v in got]
+            wper = [v / nbytes for v in want]
+            hint = "count on device 0: parameters, the gradient reaching replica 0, " \
+                   "the summed .grad, the optimizer's state; on the others: a " \
+                   "replica's parameters and the gradient reaching them"
+            if max(got) < 1e-3 * max(want):
+                hint = "in bytes, not GiB or MB"
+            elif what != "float32" and all(
+                    abs(a / b - 4 / model[0].weight.element_size()) < 0.01
+                    for a, b in zip(got, want, strict=True)):
+                hint = "count with the model's dtype: element_size(), not 4 bytes"
+            elif got[::-1] == want and n > 1:
+                hint = "device 0 first: it holds the most"
+            elif n == 1 and abs(per[0] - wper[0] - 1) < 1e-9:
+                hint = ("with one device DataParallel calls the module itself: no "
+                        "replica, so no replica gradient")
+            elif n > 1 and abs(per[1] - wper[1] + 1) < 1e-9:
+                hint = "a replica also holds the gradient that reaches its parameters"
+            elif n > 1 and abs(per[0] - wper[0] + 1) < 1e-9:
+                hint = ("device 0 holds replica 0's gradient and the summed .grad: "
+                        "two gradients' worth")
+            elif n > 1 and per[1] > wper[1] + 0.5:
+                hint = "the optimizer's state lives on device 0 only"
+            elif optimizer != "adam" and abs(per[0] - wper[0]) > 1e-9:
+                hint = ("plain SGD keeps no state; momentum keeps one buffer per "
+                        "parameter; Adam two")
+            fail(ex, f"{[int(v) for v in want]} bytes ({case})",
+                 f"{[round(v) for v in got]}", hint)
+    passed(ex, "Your count matches the bytes counted on real tensors, for every "
+           "dtype, optimizer and number of devices.")
