@@ -415,8 +415,9 @@ table(results, reference_run)
 #   little more than a quarter (what TP does not split - norms, biases of
 #   the row-parallel layers, the embedding and output layer - is sharded
 #   over `dp` only and repeated on both `tp` ranks); a pipeline stage holds
-#   its half of the model, halved again by FSDP over `dp`. The two stages differ: the embedding lives on one, the output
-#   layer on the other.
+#   its half of the model, halved again by FSDP over `dp`. The two stages
+#   differ a little: the embedding lives on one, the output layer on the
+#   other.
 # - **saved KiB**: the largest peak of activations kept for backward on any
 #   rank. Data parallelism divides the batch; tensor parallelism divides
 #   what attention and the MLP keep; a pipeline keeps several
@@ -445,8 +446,9 @@ name = "layers.1.mlp.2.weight"
 want = reference_run["grads"][name]
 bug = results["PP x DP, no DP reduction"]
 g0, g1 = bug[1]["grads"][name], bug[3]["grads"][name]
+mean = (g0 + g1) / 2
 print(f"{name}: replica 0 vs one process {(g0 - want).abs().max():.2e}, replica 1 "
-      f"{(g1 - want).abs().max():.2e}, their mean {((g0 + g1) / 2 - want).abs().max():.2e}")
+      f"{(g1 - want).abs().max():.2e}, their mean {(mean - want).abs().max():.2e}")
 
 # %% [markdown]
 # Each replica's gradient is off; their mean is one process's. That is the
@@ -552,12 +554,15 @@ mem = planner.memory_per_gpu(planner.LLAMA3_405B, lay, 8192, 2048)
 print(f"predicted memory without recomputation: {mem['total'] / 1e9:.0f} GB per GPU")
 
 # %% [markdown]
-# Look at the ratio: the time model, built from datasheets and one
-# calibration and not from this run, lands in the paper's range (it
-# overlaps no communication, and real runs hide much of it). The memory model says this layout
-# needs more than an 80 GB GPU if every activation is kept in bf16; the
-# paper's table does not list its memory-saving settings, so read the
-# memory as what the layout would need without them.
+# Look at the ratio. The time model is built from datasheets and one
+# calibration, not from this run; it should land within tens of percent
+# of the measured rate, and below it, since it overlaps no communication
+# while real runs hide much of theirs.
+#
+# The memory model says this layout needs more than an 80 GB GPU if every
+# activation is kept in bf16; the paper's table does not list its
+# memory-saving settings, so read the memory as what the layout would need
+# without them.
 #
 # **Against the fake-tensor run.** Chapter 9 predicted a Llama-2-7B-shaped
 # model's memory under FSDP2 by running the real FSDP2 code on fake
@@ -574,7 +579,8 @@ for n in (8, 64):
           f"{fake[n]['parameters'] / 1e9:.2f} GB; activations "
           f"{(ours['activations'] + ours['logits']) / 1e9:.2f} vs "
           f"{fake[n]['activations'] / 1e9:.2f}; gathered layers "
-          f"{ours['gathered layers'] / 1e9:.2f} vs {fake[n]['gathered parameters'] / 1e9:.2f}"
+          f"{ours['gathered layers'] / 1e9:.2f} vs "
+          f"{fake[n]['gathered parameters'] / 1e9:.2f}"
           f"; optimizer state {ours['optimizer state'] / 1e9:.2f} vs "
           f"{fake[n].get('optimizer state', 0) / 1e9:.2f}")
 live = memory.fsdp2_peak_on_fake_ranks([8], layers=2, in_process=True)[8]["peak"]
