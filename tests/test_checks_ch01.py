@@ -526,7 +526,25 @@ def loop_never_ends(x, out):
     out[cuda.blockIdx.x] = sdata[0]
 
 
+@cuda.jit
+def integer_partials(x, out):  # the partial sums held in an int32 shared array
+    sdata = cuda.shared.array(THREADS, numba.int32)
+    tid = cuda.threadIdx.x
+    i = cuda.grid(1)
+    sdata[tid] = x[i] if i < x.size else 0
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if tid < s:
+            sdata[tid] += sdata[tid + s]
+        cuda.syncthreads()
+        s //= 2
+    if tid == 0:
+        out[cuda.blockIdx.x] = sdata[0]
+
+
 @pytest.mark.parametrize("wrong, words", [
+    (integer_partials, "holds integers"),
     (no_first_sync, "race"),
     (no_sync_in_loop, "race"),
     (sync_inside_if, "branches that only some threads take"),

@@ -298,7 +298,9 @@ class _Launch:
         k = self.shared_calls[self.current]
         self.shared_calls[self.current] += 1
         if k == len(self.shared):
-            data = np.full(shape, np.nan, dtype=_np_dtype(dtype))
+            dt = _np_dtype(dtype)  # garbage: NaN, or the most negative integer
+            data = np.full(shape, np.nan if dt.kind in "fc" else np.iinfo(dt).min
+                           if dt.kind in "iu" else 0, dtype=dt)
             self.shared.append(_Array(data, f"shared array {k}" if k else
                                       self.hints.get("shared_name", "sdata"),
                                       self, shared=True))
@@ -552,6 +554,9 @@ def _sum_hint(out: np.ndarray, x: np.ndarray, threads: int) -> str:
     first = np.array([x64[b * threads] for b in range(blocks)])
     if np.allclose(out, first, rtol=1e-4, atol=1e-5):
         return "out holds each block's first element: nothing was added"
+    if np.allclose(out, _block_sums(np.trunc(x64), threads), rtol=1e-4, atol=1e-4):
+        return ("the sums dropped every fraction: the shared array holds "
+                "integers; declare it cuda.shared.array(THREADS, float32)")
     if np.allclose(out, x64.sum(), rtol=1e-4, atol=1e-4):
         return ("each block must sum only its own THREADS elements, "
                 "x[blockIdx.x * THREADS] ... x[blockIdx.x * THREADS + THREADS - 1]")
@@ -584,7 +589,9 @@ def check_block_sum(block_sum) -> None:
     require_solution(ex, fn)
     rng = np.random.default_rng(12)
     for threads, n in SUM_CASES:
-        x = (rng.standard_normal(n) + 0.25).astype(np.float32)
+        # magnitudes from 1e-3 to 1e3, so no block's sum is a round number
+        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)
+             + 0.25).astype(np.float32)
         blocks = -(-n // threads)
         out = np.full(blocks, np.nan, dtype=np.float32)
         what = f"n = {n} in blocks of THREADS = {threads}"
