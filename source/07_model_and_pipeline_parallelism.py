@@ -394,13 +394,13 @@ for k, p, m in (("n2m32", 2, 32), ("n8m4", 8, 4), ("n8m32", 8, 32)):
 # with a saved-tensors hook, each storage once, parameters left out).
 #
 # **The order of sends and receives.** A blocking send waits until the other
-# rank receives (gloo's does, even for a few bytes), and nccl runs what a rank posts on its stream in order. In 1F1B, stage 0 sends
-# micro-batch 1's activation while stage 1 sends micro-batch 0's gradient:
-# two sends, each waiting for a receive the other rank has not posted yet -
-# a deadlock. So each rank posts the send of its last operation together
-# with the receive of its next one, in one `dist.batch_isend_irecv`, whose
-# sends and receives never wait for each other; the same code runs under
-# gloo and nccl.
+# rank receives (gloo's does, even for a few bytes), and nccl runs what a
+# rank posts on its stream in order. In 1F1B, stage 0 sends micro-batch 1's
+# activation while stage 1 sends micro-batch 0's gradient: two sends, each
+# waiting for a receive the other rank has not posted yet - a deadlock. So
+# each rank posts the send of its last operation together with the receive
+# of its next one, in one `dist.batch_isend_irecv`, whose sends and receives
+# never wait for each other; the same code runs under gloo and nccl.
 #
 # A timeline is only evidence if it is measured carefully:
 #
