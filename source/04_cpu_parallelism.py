@@ -23,7 +23,9 @@
 # - Seed 000's serial / `Pool` / `Process` experiment, with its timing bugs fixed,
 #   and the one result that beats them all: a vectorised line.
 # - `concurrent.futures`, chunk sizes, start methods (fork, spawn, forkserver) in
-#   a notebook, and torch's own threads (intra-op) against processes.
+#   a notebook, and `torch.multiprocessing`: tensors shared, not copied.
+# - torch's own threads (intra-op) against processes, and what happens when
+#   processes x threads exceeds the cores.
 #
 # **Hardware.** None needed: everything here runs for real on the CPU you have.
 # A 2-core laptop cannot show scaling to many cores; where that matters, the
@@ -39,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -49,9 +52,9 @@ import torch
 from course_utils import banner, reference
 from course_utils.bench import format_seconds
 from course_utils.checks.ch04 import (
-    check_chunk_bounds,
-    check_cpu_and_wall,
-    check_parallel_map,
+    check_parallel_apply_,
+    check_predict_busy_cores,
+    check_process_map,
 )
 from course_utils.compare import compare
 from course_utils.devices import usable_cores
@@ -262,7 +265,7 @@ finally:
 # 2. its `Process` version throws the results away (a `Process` returns
 #    nothing), so it times work whose results nobody can use;
 # 3. `np.split(lst, sp)` raises unless the size divides evenly:
-#    `np.array_split` (or the chunking of Exercise 4.1) handles any size.
+#    `np.array_split` (or the chunking of Exercise 4.2) handles any size.
 #
 # Below, every version returns its result, is checked equal to the serial
 # one, and is timed with everything it needs, pool creation included (start-up
@@ -480,7 +483,13 @@ print(chunks)
 #   process has run a multi-threaded torch operation, a forked child that runs
 #   one may hang for ever (GNU OpenMP is not fork-safe). The fix for forked
 #   workers: one torch thread each (`torch.set_num_threads(1)` in the
-#   worker's initializer).
+#   worker's initializer). From Python 3.12, `os.fork()` in a process that
+#   runs several threads (a Jupyter kernel always does) emits a
+#   `DeprecationWarning` saying the child may deadlock, for the same reason:
+#   a lock held by another thread at the fork stays locked in the child for
+#   ever. And a forked child cannot use CUDA once the parent has: the
+#   driver's state does not survive a fork, and torch refuses with "Cannot
+#   re-initialize CUDA in forked subprocess".
 # - **spawn** (the default on macOS and Windows): a fresh Python that
 #   *imports* what it must run. A function defined in a notebook lives in
 #   `__main__`, which the fresh Python does not have: the worker fails to find
@@ -514,7 +523,9 @@ except Exception as e:  # noqa: BLE001 - we show whatever the platform raises
 
 # %%
 module_dir = Path(tempfile.mkdtemp(prefix="ch04_"))
-(module_dir / "ch04_tasks.py").write_text("def cube(x):\n    return x ** 3\n")
+(module_dir / "ch04_tasks.py").write_text(
+    "import torch\n\n\ndef cube(x):\n    return x ** 3\n\n\ndef add_one_(t):\n"
+    "    t += 1\n    if t.is_cuda:\n        torch.cuda.synchronize()\n")
 sys.path.insert(0, str(module_dir))
 ch04_tasks = importlib.import_module("ch04_tasks")
 with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
@@ -522,7 +533,59 @@ with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
         timeout=60))
 
 # %% [markdown]
-# ## 6. torch's own threads, and processes x threads
+# Does this Python warn about forking a threaded process? It counts this
+# process's threads and forks once, recording warnings:
+
+# %%
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    start_process()
+fork_warnings = [str(w.message) for w in caught if w.category is DeprecationWarning]
+print(f"Python {sys.version.split()[0]}, {threading.active_count()} Python threads "
+      f"here: {fork_warnings[0] if fork_warnings else 'no warning from this fork'}")
+
+# %% [markdown]
+# ## 6. `torch.multiprocessing`: tensors in shared memory
+#
+# `torch.multiprocessing` is `multiprocessing` with one addition: a tensor
+# sent to another process (a `Process` argument under spawn or forkserver, or
+# a `Queue` item) is not pickled byte by byte. The sender moves its storage to
+# shared memory, in place, and the receiver maps the same memory. So the
+# copy costs nothing whatever the size, and a change the child makes in place
+# is seen by the parent. A spawned child, with the function from the module
+# above:
+
+# %%
+import torch.multiprocessing as tmp  # noqa: E402 - introduced here
+
+counts = torch.zeros(4)
+child = tmp.get_context("spawn").Process(target=ch04_tasks.add_one_, args=(counts,))
+child.start()
+child.join(timeout=60)
+print(f"after the child's `t += 1`, the parent reads {counts.tolist()} "
+      f"(moved to shared memory: {counts.is_shared()})")
+
+# %% [markdown]
+# CUDA tensors travel the same way (CUDA IPC: the child maps the parent's GPU
+# memory), with two rules from torch's documentation: the start method must
+# be spawn or forkserver (never fork, see above), and the sender must keep the
+# tensor alive for as long as the receiver uses it. With a GPU, the same
+# child adds one to a tensor in the parent's GPU memory:
+
+# %%
+if torch.cuda.is_available():
+    on_gpu = torch.zeros(4, device="cuda")
+    child = tmp.get_context("spawn").Process(target=ch04_tasks.add_one_,
+                                             args=(on_gpu,))
+    child.start()
+    child.join(timeout=120)  # on_gpu stays alive here until the child has ended
+    print(f"GPU tensor after the child: {on_gpu.tolist()} (child's exit code "
+          f"{child.exitcode})")
+else:
+    print("no GPU here: the CUDA case is not run")
+
+# %% [markdown]
+# ## 7. torch's own threads, and processes x threads
 #
 # torch parallelises *inside* one operation (**intra-op** parallelism): a
 # large matmul is split over `torch.get_num_threads()` threads. Processes are
@@ -550,6 +613,41 @@ finally:
     torch.set_num_threads(saved)
 
 # %% [markdown]
+# Now the two levels together. Two pool workers multiply matrices at once:
+# first with `CORES / 2` torch threads each (processes x threads = the
+# cores), then with 4 times as many (oversubscribed). Each worker reports the
+# CPU seconds it used, so the table's busy cores count them.
+
+# %%
+def matmul_task(_):
+    a = torch.randn(384, 384)
+    c0 = time.process_time()
+    for _ in range(20):
+        a @ a
+    return time.process_time() - c0  # this worker's CPU seconds, all its threads
+
+
+fit = max(1, CORES // 2)
+with pool(2, threads=fit) as fitting, pool(2, threads=4 * fit) as crowded:
+    options = {f"2 processes x {fit} thread(s)": fitting,
+               f"2 processes x {4 * fit} threads": crowded}
+    oversubscribed = compare({label: lambda p=p: {"cpu_s": sum(
+        p.map_async(matmul_task, range(2)).get(timeout=60))}
+        for label, p in options.items()}, repeats=3)
+print(oversubscribed)
+print({"slower": "oversubscribed: slower, the threads fought over the cores",
+       "same": "no difference measured here at this size",
+       "faster": "oversubscribed ran faster here: the cores were not all busy"
+       }.get(oversubscribed.outcome, "disturbed: no verdict, run again"))
+
+# %% [markdown]
+# Compare the busy cores of the two rows: both can keep at most the machine's
+# cores busy, so four times the threads cannot add work done per second. What
+# they add is waiting: torch's threads split each matmul and meet at the end
+# of it, and a thread that the operating system has put aside holds up the
+# others. The verdict above says whether that cost showed here.
+
+# %% [markdown]
 # ## Summary
 #
 # - Processes share nothing unless asked and cost milliseconds to start;
@@ -563,78 +661,132 @@ finally:
 # - Vectorise first: for elementwise work it beats any number of processes.
 # - In a notebook, fork works with notebook functions and spawn does not
 #   (unless the function is sent by value, as the course's pools do); forked
-#   workers should run one torch thread. Keep processes x threads at or below
-#   the cores.
+#   workers should run one torch thread, and never CUDA. Python 3.12+ warns
+#   when a threaded process forks.
+# - `torch.multiprocessing` sends tensors through shared memory: a child's
+#   in-place change is the parent's (CUDA tensors too, under spawn or
+#   forkserver, while the sender keeps them alive).
+# - Keep processes x threads at or below the cores: more threads add waiting,
+#   not work.
 
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 4.1: chunks for a pool
+# ### Exercise 4.1: a process pool from primitives
 #
-# Write `chunk_bounds(n, parts)`: the `(start, stop)` bounds of `parts`
-# contiguous chunks that together cover `range(n)`, with sizes that differ by
-# at most one (so no worker waits for a bigger chunk). Always return `parts`
-# chunks, even when `n < parts` (some are then empty). For example
-# `chunk_bounds(10, 3)` could give `[(0, 4), (4, 7), (7, 10)]`.
+# Write `process_map(fn, items, processes, timeout=60)`: `[fn(x) for x in
+# items]`, computed by exactly `processes` worker processes that you start
+# with `multiprocessing.Process` (not `Pool` or an executor), running at
+# once. Each free worker takes the **next** item from one shared `Queue`, so
+# a slow item does not hold up the others; results come back on another
+# queue with their index, and are returned in the order of `items`. If `fn`
+# raises, raise that error here. Never wait without a timeout, and leave no
+# worker running when you return. The checker's `fn` reports the process
+# that ran it; this process should block while it waits, not spin.
 
 # %% tags=["exercise"] exercise="4.1"
-def chunk_bounds(n, parts):
+def process_map(fn, items, processes, timeout=60):
     ### BEGIN SOLUTION
-    base, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for k in range(parts):
-        stop = start + base + (1 if k < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    ctx = mp.get_context("fork")
+    tasks, done = ctx.Queue(), ctx.Queue()
+
+    def work():
+        while (task := tasks.get()) is not None:
+            i, x = task
+            try:
+                done.put((i, True, fn(x)))
+            except Exception as e:  # noqa: BLE001 - sent back to the caller
+                done.put((i, False, e))
+
+    workers = [ctx.Process(target=work, daemon=True) for _ in range(processes)]
+    for w in workers:
+        w.start()
+    try:
+        for task in enumerate(items):
+            tasks.put(task)
+        for _ in workers:
+            tasks.put(None)  # one stop signal per worker
+        results = {}
+        for _ in range(len(items)):
+            i, ok, value = done.get(timeout=timeout)
+            if not ok:
+                raise value
+            results[i] = value
+        return [results[i] for i in range(len(items))]
+    finally:
+        for w in workers:
+            w.join(timeout=1)
+            if w.is_alive():
+                w.terminate()
+                w.join(timeout=5)
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="4.1"
-check_chunk_bounds(chunk_bounds)
+check_process_map(process_map)
 
 # %% [markdown]
-# ### Exercise 4.2: a parallel map you can trust
+# ### Exercise 4.2: a parallel update in shared memory
 #
-# Write `parallel_map(fn, items, processes)`: `[fn(x) for x in items]`,
-# computed by exactly `processes` worker processes running at once, with the
-# results in the order of `items`, and no worker left running when it
-# returns. Never wait without a timeout. (`course_utils.dist.pool` or
-# `multiprocessing.Pool` or `ProcessPoolExecutor`, as you like.) The checker
-# gives a task that only completes when that many workers run it together,
-# and whose first item is the slowest.
+# Write `parallel_apply_(t, processes, fn)`: replace `t`, in place, by `fn`
+# applied to `processes` contiguous chunks of its rows (dim 0), with sizes
+# that differ by at most one (some empty when there are fewer rows than
+# processes), each nonempty chunk computed by its own worker process, all at
+# once. The workers write their results straight into `t`'s memory: nothing
+# is sent back. `t` may be float64, float32 or int64, 1-D or 2-D.
 
 # %% tags=["exercise"] exercise="4.2"
-def parallel_map(fn, items, processes):
+def parallel_apply_(t, processes, fn):
     ### BEGIN SOLUTION
-    with pool(processes) as p:
-        return p.map_async(fn, items, chunksize=1).get(timeout=60)
+    t.share_memory_()  # in place: forked workers now write where we read
+    base, extra = divmod(t.shape[0], processes)
+    bounds, start = [], 0
+    for k in range(processes):
+        stop = start + base + (k < extra)
+        bounds.append((start, stop))
+        start = stop
+
+    def work(start, stop):
+        t[start:stop] = fn(t[start:stop])
+
+    ctx = mp.get_context("fork")
+    workers = [ctx.Process(target=work, args=b) for b in bounds if b[1] > b[0]]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    if any(w.exitcode != 0 for w in workers):
+        raise RuntimeError("a worker failed")
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="4.2"
-check_parallel_map(parallel_map)
+check_parallel_apply_(parallel_apply_)
 
 # %% [markdown]
-# ### Exercise 4.3: was it parallel?
+# ### Exercise 4.3: predict the busy cores, then run
 #
-# Write `cpu_and_wall(task)`: run `task()` once and return
-# `(cpu_seconds, wall_seconds)` - the CPU time this process used (all its
-# threads) and the time on the wall clock. CPU / wall is then the number of
-# busy cores. The checker gives tasks that sleep, compute in the calling
-# thread, and compute in other threads.
+# Write `predict_busy_cores(cores)`: for a machine with `cores` cores and
+# nothing else running, a dict giving, for each setup below, how many cores
+# it keeps busy on average (CPU seconds / wall seconds) while it runs:
+# `"python loop, 2 threads"`, `"torch matmul, 2 threads (1 torch thread
+# each)"`, `"sleep, 2 threads"`, `"python loop, 2 processes"` and `"torch
+# matmul, 2 processes x 4 torch threads"`. The checker then runs three of
+# them here and prints your predictions beside the measurement.
 
 # %% tags=["exercise"] exercise="4.3"
-def cpu_and_wall(task):
+def predict_busy_cores(cores):
     ### BEGIN SOLUTION
-    c0, w0 = time.process_time(), time.perf_counter()
-    task()
-    return time.process_time() - c0, time.perf_counter() - w0
+    return {"python loop, 2 threads": 1,  # one GIL
+            "torch matmul, 2 threads (1 torch thread each)": min(2, cores),
+            "sleep, 2 threads": 0,
+            "python loop, 2 processes": min(2, cores),
+            "torch matmul, 2 processes x 4 torch threads": min(8, cores)}
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="4.3"
-check_cpu_and_wall(cpu_and_wall)
+check_predict_busy_cores(predict_busy_cores)
 
 # %% [markdown]
 # ## Glossary

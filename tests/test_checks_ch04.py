@@ -3,17 +3,16 @@ with a message that names the mistake."""
 
 import concurrent.futures as cf
 import multiprocessing as mp
-import os
-import resource
 import threading
 import time
 
-import numpy as np
 import pytest
+import torch
 
 from course_utils.checks import ch04
-from course_utils.dist import pool
 from course_utils.exercises import ExerciseFailed
+
+FORK = mp.get_context("fork")
 
 
 def fails(check, fn, *words):
@@ -28,288 +27,582 @@ def fails(check, fn, *words):
 # ---------------------------------------------------------------- 4.1
 
 
-def bounds_divmod(n, parts):
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for k in range(parts):
-        stop = start + base + (k < extra)
-        out.append((start, stop))
-        start = stop
+def _worker_loop(fn, tasks, done):
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        i, x = task
+        try:
+            done.put((i, None, fn(x)))
+        except Exception as e:  # noqa: BLE001
+            done.put((i, e, None))
+
+
+def map_queues(fn, items, processes, timeout=60):
+    tasks, done = FORK.Queue(), FORK.Queue()
+    ws = [FORK.Process(target=_worker_loop, args=(fn, tasks, done))
+          for _ in range(processes)]
+    for w in ws:
+        w.start()
+    for i, x in enumerate(items):
+        tasks.put((i, x))
+    for _ in ws:
+        tasks.put(None)
+    out, error = [None] * len(items), None
+    for _ in items:
+        i, e, v = done.get(timeout=timeout)
+        error = error or e
+        out[i] = v
+    for w in ws:
+        w.join(10)
+    if error:
+        raise error
     return out
 
 
-def bounds_array_split(n, parts):
-    chunks = np.array_split(np.arange(n), parts)
-    out, start = [], 0
-    for c in chunks:
-        out.append((start, start + len(c)))
-        start += len(c)
-    return out
+def map_default_context(fn, items, processes, timeout=60):
+    tasks, done = mp.Queue(), mp.Queue()
+    ws = [mp.Process(target=_worker_loop, args=(fn, tasks, done))
+          for _ in range(processes)]
+    [w.start() for w in ws]
+    try:
+        [tasks.put(t) for t in enumerate(items)]
+        [tasks.put(None) for _ in ws]
+        got = dict()
+        while len(got) < len(items):
+            i, e, v = done.get(timeout=timeout)
+            if e is not None:
+                raise e
+            got[i] = v
+        return [got[k] for k in sorted(got)]
+    finally:
+        for w in ws:
+            w.terminate()
+            w.join(5)
 
 
-def bounds_formula(n, parts):
-    return [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
+class QueuePool:
+    def __init__(self, processes):
+        self.tasks, self.results = FORK.JoinableQueue(), FORK.SimpleQueue()
+        self.n = processes
+
+    def _serve(self, fn):
+        for i, x in iter(self.tasks.get, None):
+            try:
+                self.results.put((i, "ok", fn(x)))
+            except BaseException as e:  # noqa: BLE001
+                self.results.put((i, "err", repr(e)))
+
+    def map(self, fn, items, timeout):
+        procs = [FORK.Process(target=self._serve, args=(fn,), daemon=True)
+                 for _ in range(self.n)]
+        for p in procs:
+            p.start()
+        for pair in enumerate(items):
+            self.tasks.put(pair)
+        for _ in procs:
+            self.tasks.put(None)
+        answers = {}
+        end = time.monotonic() + timeout
+        while len(answers) < len(items):
+            if time.monotonic() > end:
+                raise TimeoutError
+            if self.results.empty():
+                time.sleep(0.01)  # polls, but sleeps: it does not spin
+                continue
+            i, status, v = self.results.get()
+            if status == "err":
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(v)
+            answers[i] = v
+        for p in procs:
+            p.join(5)
+        return [answers[i] for i in range(len(items))]
 
 
-def bounds_extra_at_the_end(n, parts):  # the bigger chunks last: still balanced
-    base, extra = divmod(n, parts)
-    sizes = [base] * (parts - extra) + [base + 1] * extra
-    edges = np.cumsum([0, *sizes])
-    return list(zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True))
+def map_class(fn, items, processes, timeout=60):
+    return QueuePool(processes).map(fn, items, timeout)
 
 
-@pytest.mark.parametrize("fn", [bounds_divmod, bounds_array_split, bounds_formula,
-                                bounds_extra_at_the_end])
-def test_right_chunk_bounds_pass(fn):
-    ch04.check_chunk_bounds(fn)
+def _pipe_worker(fn, conn):
+    while (msg := conn.recv()) is not None:
+        try:
+            conn.send((msg[0], fn(msg[1]), None))
+        except Exception as e:  # noqa: BLE001
+            conn.send((msg[0], None, e))
 
 
-def test_wrong_chunk_bounds_fail():
-    def remainder_dropped(n, parts):
-        size = n // parts
-        return [(k * size, (k + 1) * size) for k in range(parts)]
-
-    def remainder_on_the_last(n, parts):
-        size = n // parts
-        return [(k * size, (k + 1) * size if k < parts - 1 else n)
-                for k in range(parts)]
-
-    def ceil_size(n, parts):  # the last chunks overrun n or come out negative
-        size = -(-n // parts)
-        return [(k * size, min(n, (k + 1) * size)) for k in range(parts)]
-
-    def overlapping(n, parts):
-        return [(max(0, a - 1), b) for a, b in bounds_divmod(n, parts)]
-
-    def no_empty_chunks(n, parts):
-        return [b for b in bounds_divmod(n, parts) if b[1] > b[0]]
-
-    def two_parts_always(n, parts):
-        return bounds_divmod(n, 2)
-
-    def array_chunks(n, parts):
-        return np.array_split(np.arange(n), parts)
-
-    def sizes_only(n, parts):
-        return [b - a for a, b in bounds_divmod(n, parts)]
-
-    def inclusive_stop(n, parts):
-        return [(a, b - 1) for a, b in bounds_divmod(n, parts)]
-
-    fails(ch04.check_chunk_bounds, remainder_dropped, "stop at n")
-    fails(ch04.check_chunk_bounds, remainder_on_the_last, "differ by at most 1")
-    fails(ch04.check_chunk_bounds, ceil_size, "Exercise 4.1")
-    fails(ch04.check_chunk_bounds, overlapping, "overlaps")
-    fails(ch04.check_chunk_bounds, no_empty_chunks, "chunks for")
-    fails(ch04.check_chunk_bounds, two_parts_always, "chunks for")
-    fails(ch04.check_chunk_bounds, array_chunks, "(start, stop) pairs")
-    fails(ch04.check_chunk_bounds, sizes_only, "(start, stop) pairs")
-    fails(ch04.check_chunk_bounds, inclusive_stop, "gap")
+def map_pipes(fn, items, processes, timeout=60):  # the parent hands out items
+    from multiprocessing.connection import wait
+    pairs = [FORK.Pipe() for _ in range(processes)]
+    ws = [FORK.Process(target=_pipe_worker, args=(fn, child)) for _, child in pairs]
+    for w in ws:
+        w.start()
+    todo = list(enumerate(items))[::-1]
+    out, busy = {}, {}
+    try:
+        for parent, _ in pairs:
+            if todo:
+                parent.send(todo.pop())
+                busy[parent] = True
+        while len(out) < len(items):
+            ready = wait([p for p in busy], timeout)
+            if not ready:
+                raise TimeoutError
+            for conn in ready:
+                i, v, e = conn.recv()
+                if e is not None:
+                    raise e
+                out[i] = v
+                if todo:
+                    conn.send(todo.pop())
+                else:
+                    del busy[conn]
+        return [out[i] for i in range(len(items))]
+    finally:
+        for parent, _ in pairs:
+            try:
+                parent.send(None)
+            except OSError:
+                pass
+        for w in ws:
+            w.join(2)
+            if w.is_alive():
+                w.kill()
+                w.join(2)
 
 
-def test_unsolved_chunk_bounds_says_so():
-    def stub(n, parts):
-        raise NotImplementedError("Exercise 4.1")
+def map_with_extra_work(fn, items, processes, timeout=60):
+    items = list(items)
+    assert processes >= 1
+    results = map_queues(fn, items, processes, timeout)
+    assert len(results) == len(items)
+    return list(results)
 
-    fails(ch04.check_chunk_bounds, stub, "placeholder")
+
+@pytest.mark.parametrize("fn", [map_queues, map_default_context, map_class, map_pipes,
+                                map_with_extra_work])
+def test_right_process_maps_pass(fn):
+    ch04.check_process_map(fn)
+
+
+def test_wrong_process_maps_fail():
+    def serial(fn, items, processes, timeout=60):
+        return [fn(x) for x in items]
+
+    def threads(fn, items, processes, timeout=60):
+        with cf.ThreadPoolExecutor(processes) as ex:
+            return list(ex.map(fn, items, timeout=timeout))
+
+    def library_pool(fn, items, processes, timeout=60):
+        with FORK.Pool(processes) as p:
+            return p.map_async(fn, items, chunksize=1).get(timeout)
+
+    def executor(fn, items, processes, timeout=60):
+        with cf.ProcessPoolExecutor(processes, mp_context=FORK) as ex:
+            return list(ex.map(fn, items, timeout=timeout))
+
+    def static_chunks(fn, items, processes, timeout=60):
+        n, done = len(items), FORK.Queue()
+        bounds = [(k * n // processes, (k + 1) * n // processes)
+                  for k in range(processes)]
+
+        def run(a, b):
+            for i in range(a, b):
+                done.put((i, fn(items[i])))
+        ws = [FORK.Process(target=run, args=b) for b in bounds]
+        [w.start() for w in ws]
+        got = dict(done.get(timeout=timeout) for _ in items)
+        [w.join(5) for w in ws]
+        return [got[i] for i in range(n)]
+
+    def round_robin(fn, items, processes, timeout=60):
+        done = FORK.Queue()
+
+        def run(k):
+            for i in range(k, len(items), processes):
+                done.put((i, fn(items[i])))
+        ws = [FORK.Process(target=run, args=(k,)) for k in range(processes)]
+        [w.start() for w in ws]
+        got = dict(done.get(timeout=timeout) for _ in items)
+        [w.join(5) for w in ws]
+        return [got[i] for i in range(len(items))]
+
+    def completion_order(fn, items, processes, timeout=60):
+        tasks, done = FORK.Queue(), FORK.Queue()
+        ws = [FORK.Process(target=_worker_loop, args=(fn, tasks, done))
+              for _ in range(processes)]
+        [w.start() for w in ws]
+        [tasks.put(t) for t in enumerate(items)]
+        [tasks.put(None) for _ in ws]
+        out = [done.get(timeout=timeout) for _ in items]
+        [w.join(5) for w in ws]
+        for _, e, _ in out:
+            if e:
+                raise e
+        return [v for _, _, v in out]
+
+    def two_workers(fn, items, processes, timeout=60):
+        return map_queues(fn, items, 2, timeout)
+
+    def one_process_per_item(fn, items, processes, timeout=60):
+        return map_queues(fn, items, len(items), timeout)
+
+    def workers_left_running(fn, items, processes, timeout=60):
+        tasks, done = FORK.Queue(), FORK.Queue()
+        ws = [FORK.Process(target=_worker_loop, args=(fn, tasks, done))
+              for _ in range(processes)]
+        [w.start() for w in ws]
+        [tasks.put(t) for t in enumerate(items)]  # no stop signal, no join
+        got = {}
+        for _ in items:
+            i, e, v = done.get(timeout=timeout)
+            if e:
+                raise e
+            got[i] = v
+        return [got[i] for i in range(len(items))]
+
+    def error_ignored(fn, items, processes, timeout=60):
+        def safe(x):
+            try:
+                return fn(x)
+            except Exception:  # noqa: BLE001
+                return None
+        return map_queues(safe, items, processes, timeout)
+
+    def drops_the_last(fn, items, processes, timeout=60):
+        return map_queues(fn, items[:-1], processes, timeout)
+
+    def hangs_on_error(fn, items, processes, timeout=60):
+        def quiet(fn_, tasks, done):
+            while (task := tasks.get()) is not None:
+                try:
+                    done.put((task[0], None, fn_(task[1])))
+                except Exception:  # noqa: BLE001
+                    pass  # nothing sent back: the parent waits for ever
+        tasks, done = FORK.Queue(), FORK.Queue()
+        ws = [FORK.Process(target=quiet, args=(fn, tasks, done), daemon=True)
+              for _ in range(processes)]
+        [w.start() for w in ws]
+        [tasks.put(t) for t in enumerate(items)]
+        [tasks.put(None) for _ in ws]
+        got = {}
+        for _ in items:
+            i, _, v = done.get()
+            got[i] = v
+        return [got[i] for i in range(len(items))]
+
+    fails(ch04.check_process_map, serial, "worker process")
+    fails(ch04.check_process_map, threads, "worker process")
+    fails(ch04.check_process_map, library_pool, "from Process and Queue")
+    fails(ch04.check_process_map, executor, "from Process and Queue")
+    fails(ch04.check_process_map, static_chunks, "shared")
+    fails(ch04.check_process_map, round_robin, "shared")
+    fails(ch04.check_process_map, completion_order, "order")
+    fails(ch04.check_process_map, two_workers, "at once")
+    fails(ch04.check_process_map, one_process_per_item, "one process per item")
+    fails(ch04.check_process_map, workers_left_running, "still alive")
+    fails(ch04.check_process_map, error_ignored, "error raised in the caller")
+    fails(ch04.check_process_map, drops_the_last, "every item exactly once")
+    fails(ch04.check_process_map, hangs_on_error, "within")
 
 
 # ---------------------------------------------------------------- 4.2
 
 
-def map_with_course_pool(fn, items, processes):
-    with pool(processes) as p:
-        return p.map_async(fn, items, chunksize=1).get(timeout=60)
+def _bounds(n, parts):
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for k in range(parts):
+        out.append((start, start + base + (k < extra)))
+        start = out[-1][1]
+    return out
 
 
-def map_with_mp_pool(fn, items, processes):
-    with mp.get_context("fork").Pool(processes) as p:
-        return p.map_async(fn, items).get(60)
+def _rows_worker(t, a, b, fn):
+    t[a:b] = fn(t[a:b])
 
 
-def map_with_executor(fn, items, processes):
-    with cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("fork")) as ex:
-        return list(ex.map(fn, items, timeout=60))
+def apply_tensor_split(t, processes, fn):
+    t.share_memory_()
+    ps = []
+    for piece in torch.tensor_split(torch.arange(t.shape[0]), processes):
+        if len(piece):
+            ps.append(FORK.Process(target=_rows_worker,
+                                   args=(t, int(piece[0]), int(piece[-1]) + 1, fn)))
+    [p.start() for p in ps]
+    [p.join(30) for p in ps]
 
 
-def map_with_submit(fn, items, processes):
-    with cf.ProcessPoolExecutor(max_workers=processes) as ex:
-        futures = [ex.submit(fn, x) for x in items]
-        return [f.result(timeout=60) for f in futures]
+def _view_worker(view, fn):
+    view.copy_(fn(view))
 
 
-@pytest.mark.parametrize("fn", [map_with_course_pool, map_with_mp_pool,
-                                map_with_executor, map_with_submit])
-def test_right_parallel_maps_pass(fn):
-    ch04.check_parallel_map(fn)
+def _from_queue(q, fn):
+    view = q.get(timeout=30)
+    view.copy_(fn(view))
 
 
-def test_wrong_parallel_maps_fail():
-    def serial(fn, items, processes):
-        return [fn(x) for x in items]
+def apply_views_through_a_queue(t, processes, fn):  # torch.multiprocessing's Queue
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("fork")
+    q = ctx.Queue()
+    views = [t[a:b] for a, b in _bounds(t.shape[0], processes) if b > a]
+    ps = [ctx.Process(target=_from_queue, args=(q, fn)) for _ in views]
+    for p in ps:
+        p.start()
+    for v in views:
+        q.put(v)  # moves t's storage to shared memory; the child maps it
+    for p in ps:
+        p.join(60)
+    return t
 
-    def threads(fn, items, processes):
-        with cf.ThreadPoolExecutor(processes) as ex:
-            return list(ex.map(fn, items))
 
-    def two_workers_always(fn, items, processes):
-        return map_with_mp_pool(fn, items, 2)
+def apply_pool_in_place(t, processes, fn):  # Pool: chunks travel through shm
+    t.share_memory_()
+    chunks = [t[a:b] for a, b in _bounds(t.shape[0], processes) if b > a]
+    with FORK.Pool(len(chunks)) as pool:
+        pool.starmap_async(_view_worker, [(c, fn) for c in chunks],
+                           chunksize=1).get(60)
 
-    def unordered(fn, items, processes):
-        with mp.get_context("fork").Pool(processes) as p:
-            return list(p.imap_unordered(fn, items))
 
-    def as_completed(fn, items, processes):
-        with cf.ProcessPoolExecutor(processes) as ex:
-            futures = [ex.submit(fn, x) for x in items]
-            return [f.result() for f in cf.as_completed(futures)]
-
-    def drops_the_last(fn, items, processes):
-        return map_with_mp_pool(fn, items[:-1], processes)
-
-    def processes_without_results(fn, items, processes):  # the seed's version
-        ctx = mp.get_context("fork")
-        chunks = np.array_split(np.array(items), processes)
-        procs = [ctx.Process(target=lambda c=c: [fn(x) for x in c]) for c in chunks]
-        for p in procs:
+class InPlace:
+    def __call__(self, t, processes, fn):
+        t.share_memory_()
+        self.procs = [FORK.Process(target=_rows_worker, args=(t, a, b, fn))
+                      for a, b in _bounds(len(t), processes)[::-1] if b > a]
+        for p in self.procs:
             p.start()
-        for p in procs:
-            p.join(10)
+        for p in self.procs:
+            p.join(timeout=30)
+        return None
 
-    def returns_the_pool(fn, items, processes):
-        p = mp.get_context("fork").Pool(processes)
-        p.map_async(fn, items).get(60)
-        p.terminate()
-        return p
 
-    fails(ch04.check_parallel_map, serial, "worker processes", "notebook's process")
-    fails(ch04.check_parallel_map, threads, "worker processes", "threads")
-    fails(ch04.check_parallel_map, two_workers_always, "3 worker processes")
-    fails(ch04.check_parallel_map, unordered, "order")
-    fails(ch04.check_parallel_map, as_completed, "order")
-    fails(ch04.check_parallel_map, drops_the_last, "every item exactly once")
-    fails(ch04.check_parallel_map, processes_without_results, "fn(item) results")
-    fails(ch04.check_parallel_map, returns_the_pool, "Exercise 4.2")
+apply_class = InPlace()
+
+
+def apply_formula_bounds(t, processes, fn):
+    n = t.size(0)
+    t.share_memory_()
+    ps = [FORK.Process(target=_rows_worker,
+                       args=(t, k * n // processes, (k + 1) * n // processes, fn))
+          for k in range(processes) if (k + 1) * n // processes > k * n // processes]
+    for p in ps:
+        p.start()
+    deadline = time.monotonic() + 60
+    for p in ps:
+        p.join(max(0, deadline - time.monotonic()))
+
+
+@pytest.mark.parametrize("fn", [apply_tensor_split, apply_views_through_a_queue,
+                                apply_pool_in_place, apply_class,
+                                apply_formula_bounds])
+def test_right_parallel_applies_pass(fn):
+    ch04.check_parallel_apply_(fn)
+
+
+def test_wrong_parallel_applies_fail():
+    def not_shared(t, processes, fn):
+        ps = [FORK.Process(target=_rows_worker, args=(t, a, b, fn))
+              for a, b in _bounds(len(t), processes) if b > a]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def returns_new(t, processes, fn):  # computed in workers, sent back, not written
+        chunks = [t[a:b].clone() for a, b in _bounds(len(t), processes) if b > a]
+        with FORK.Pool(len(chunks)) as pool:
+            return torch.cat(pool.map_async(fn, chunks, chunksize=1).get(60))
+
+    def in_this_process(t, processes, fn):
+        for a, b in _bounds(len(t), processes):
+            if b > a:
+                t[a:b] = fn(t[a:b])
+
+    def in_threads(t, processes, fn):
+        ts = [threading.Thread(target=_rows_worker, args=(t, a, b, fn))
+              for a, b in _bounds(len(t), processes) if b > a]
+        [x.start() for x in ts]
+        [x.join(30) for x in ts]
+
+    def remainder_on_last(t, processes, fn):
+        t.share_memory_()
+        size = len(t) // processes
+        bounds = [(k * size, (k + 1) * size if k < processes - 1 else len(t))
+                  for k in range(processes)]
+        ps = [FORK.Process(target=_rows_worker, args=(t, a, b, fn))
+              for a, b in bounds if b > a]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def torch_chunk(t, processes, fn):  # ceil-sized pieces: fewer, unbalanced
+        t.share_memory_()
+        start, ps = 0, []
+        for piece in torch.chunk(t, processes):
+            ps.append(FORK.Process(target=_rows_worker,
+                                   args=(t, start, start + len(piece), fn)))
+            start += len(piece)
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def one_after_the_other(t, processes, fn):
+        t.share_memory_()
+        for a, b in _bounds(len(t), processes):
+            if b > a:
+                p = FORK.Process(target=_rows_worker, args=(t, a, b, fn))
+                p.start()
+                p.join(30)
+
+    def two_processes(t, processes, fn):
+        apply_formula_bounds(t, 2, fn)
+
+    def one_process_too_many(t, processes, fn):
+        apply_formula_bounds(t, processes + 1, fn)
+
+    def whole_tensor_each(t, processes, fn):
+        t.share_memory_()
+        src = t.clone()
+
+        def run():
+            t.copy_(fn(src))
+        ps = [FORK.Process(target=run) for _ in range(min(processes, len(t)))]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def float32_copy(t, processes, fn):
+        s = t.float().share_memory_()
+        apply_formula_bounds(s, processes, fn)
+        t.copy_(s)
+
+    def last_dim(t, processes, fn):
+        t.share_memory_()
+        cols = t.shape[-1]
+
+        def run(a, b):
+            t[..., a:b] = fn(t[..., a:b])
+        ps = [FORK.Process(target=run, args=ab) for ab in _bounds(cols, processes)
+              if ab[1] > ab[0]]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def left_running(t, processes, fn):
+        t.share_memory_()
+
+        def run(a, b):
+            t[a:b] = fn(t[a:b])
+            time.sleep(30)  # lingers after its work
+        ps = [FORK.Process(target=run, args=ab, daemon=True)
+              for ab in _bounds(len(t), processes) if ab[1] > ab[0]]
+        [p.start() for p in ps]
+        time.sleep(1.5)  # waits a while, but never joins
+
+    fails(ch04.check_parallel_apply_, not_shared, "share_memory_")
+    fails(ch04.check_parallel_apply_, returns_new, "returned instead")
+    fails(ch04.check_parallel_apply_, in_this_process, "worker process")
+    fails(ch04.check_parallel_apply_, in_threads, "worker process")
+    fails(ch04.check_parallel_apply_, remainder_on_last, "at most one")
+    fails(ch04.check_parallel_apply_, torch_chunk, "at most one")
+    fails(ch04.check_parallel_apply_, one_after_the_other, "one after the other")
+    fails(ch04.check_parallel_apply_, two_processes, "chunks whose sizes")
+    fails(ch04.check_parallel_apply_, one_process_too_many, "chunks whose sizes")
+    fails(ch04.check_parallel_apply_, whole_tensor_each, "all the rows")
+    fails(ch04.check_parallel_apply_, float32_copy, "dtype")
+    fails(ch04.check_parallel_apply_, last_dim, "all the rows")
+    fails(ch04.check_parallel_apply_, left_running, "still alive")
 
 
 # ---------------------------------------------------------------- 4.3
 
-
-def cpu_wall_process_time(task):
-    c0, w0 = time.process_time(), time.perf_counter()
-    task()
-    return time.process_time() - c0, time.perf_counter() - w0
+NAMES = ["python loop, 2 threads", "torch matmul, 2 threads (1 torch thread each)",
+         "sleep, 2 threads", "python loop, 2 processes",
+         "torch matmul, 2 processes x 4 torch threads"]
 
 
-def cpu_wall_os_times(task):
-    t0 = os.times()
-    w0 = time.monotonic()
-    task()
-    t1 = os.times()
-    return (t1.user - t0.user) + (t1.system - t0.system), time.monotonic() - w0
+def busy_min(cores):
+    return dict(zip(NAMES, [1, min(2, cores), 0, min(2, cores), min(8, cores)],
+                    strict=True))
 
 
-class CpuWallTimer:  # a context manager, used inside the function
-    def __enter__(self):
-        self.c, self.w = time.process_time_ns(), time.perf_counter_ns()
-        return self
-
-    def __exit__(self, *exc):
-        self.cpu = (time.process_time_ns() - self.c) / 1e9
-        self.wall = (time.perf_counter_ns() - self.w) / 1e9
+def busy_floats(cores):
+    return {k: float(v) for k, v in busy_min(cores).items()}
 
 
-def cpu_wall_class(task):
-    with CpuWallTimer() as t:
-        task()
-    return t.cpu, t.wall
+class Busy(dict):
+    def __init__(self, cores):
+        super().__init__({NAMES[0]: 1.0, NAMES[2]: 0.0})
+        for name, want in zip(NAMES, (None, 2, None, 2, 8), strict=True):
+            if want:
+                self[name] = want if want <= cores else cores
 
 
-def cpu_wall_rusage(task):
-    def used():
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    c0, w0 = used(), time.time()
-    task()
-    return used() - c0, time.time() - w0
+def busy_numpy(cores):
+    import numpy as np
+    return {k: np.float64(v) for k, v in busy_min(cores).items()}
 
 
-@pytest.mark.parametrize("fn", [cpu_wall_process_time, cpu_wall_os_times,
-                                cpu_wall_class, cpu_wall_rusage])
-def test_right_cpu_and_wall_pass(fn):
-    ch04.check_cpu_and_wall(fn)
+def busy_near(cores):  # within rounding of the ideal
+    out = busy_min(cores)
+    out[NAMES[0]] = 1.05  # a little switching overhead
+    out[NAMES[2]] = 0.02
+    return out | {"something else": 3}
 
 
-def test_wrong_cpu_and_wall_fail():
-    def swapped(task):
-        c, w = cpu_wall_process_time(task)
-        return w, c
+@pytest.mark.parametrize("fn", [busy_min, busy_floats, Busy, busy_numpy, busy_near])
+def test_right_busy_cores_pass(fn):
+    ch04.check_predict_busy_cores(fn, measure=False)
 
-    def wall_twice(task):
-        w0 = time.perf_counter()
-        task()
-        w = time.perf_counter() - w0
-        return w, w
 
-    def thread_time_only(task):
-        c0, w0 = time.thread_time(), time.perf_counter()
-        task()
-        return time.thread_time() - c0, time.perf_counter() - w0
+def test_wrong_busy_cores_fail():
+    def threads_parallel(cores):
+        return busy_min(cores) | {NAMES[0]: min(2, cores)}
 
-    def nanoseconds(task):
-        c0, w0 = time.process_time_ns(), time.perf_counter_ns()
-        task()
-        return time.process_time_ns() - c0, time.perf_counter_ns() - w0
+    def matmul_gil(cores):
+        return busy_min(cores) | {NAMES[1]: 1}
 
-    def constant(task):
-        task()
-        return 0.25, 0.3
+    def sleep_one(cores):
+        return busy_min(cores) | {NAMES[2]: 2}
 
-    def process_time_for_both(task):
-        c0 = time.process_time()
-        task()
-        c = time.process_time() - c0
-        return c, c
+    def processes_one(cores):
+        return busy_min(cores) | {NAMES[3]: 1}
 
-    def rusage_thread(task):
-        def used():
-            r = resource.getrusage(resource.RUSAGE_THREAD)
-            return r.ru_utime + r.ru_stime
+    def no_cap(cores):
+        return busy_min(cores) | {NAMES[4]: 8}
 
-        c0, w0 = used(), time.perf_counter()
-        task()
-        return used() - c0, time.perf_counter() - w0
+    def cap_missing_everywhere(cores):
+        return dict(zip(NAMES, [1, 2, 0, 2, 8], strict=True))
 
-    def never_runs_it(task):
-        return 0.0, 0.0
+    def two_cores_assumed(cores):
+        return busy_min(2)
 
-    def wall_only(task):
-        w0 = time.perf_counter()
-        task()
-        return time.perf_counter() - w0
+    def list_not_dict(cores):
+        return list(busy_min(cores).values())
 
-    def in_a_thread_of_its_own(task):  # cpu of the wrong thread
-        out = {}
+    def missing_one(cores):
+        out = busy_min(cores)
+        del out[NAMES[3]]
+        return out
 
-        def run():
-            c0 = time.thread_time()
-            w0 = time.perf_counter()
-            threading.Thread(target=task).start()
-            out["r"] = (time.thread_time() - c0, time.perf_counter() - w0)
+    def percent(cores):
+        return {k: 100 * v for k, v in busy_min(cores).items()}
 
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-        return out["r"]
+    def text_values(cores):
+        return {k: "two" for k in NAMES}
 
-    fails(ch04.check_cpu_and_wall, swapped, "sleeps")
-    fails(ch04.check_cpu_and_wall, wall_twice, "process_time")
-    fails(ch04.check_cpu_and_wall, thread_time_only, "every thread")
-    fails(ch04.check_cpu_and_wall, nanoseconds, "Exercise 4.3")
-    fails(ch04.check_cpu_and_wall, constant, "Exercise 4.3")
-    fails(ch04.check_cpu_and_wall, process_time_for_both, "wall time")
-    fails(ch04.check_cpu_and_wall, rusage_thread, "every thread")
-    fails(ch04.check_cpu_and_wall, never_runs_it, "wall time")
-    fails(ch04.check_cpu_and_wall, wall_only, "two numbers")
-    fails(ch04.check_cpu_and_wall, in_a_thread_of_its_own, "Exercise 4.3")
+    fails(ch04.check_predict_busy_cores, threads_parallel, "GIL")
+    fails(ch04.check_predict_busy_cores, matmul_gil, "releases the GIL")
+    fails(ch04.check_predict_busy_cores, sleep_one, "no CPU")
+    fails(ch04.check_predict_busy_cores, processes_one, "own interpreter")
+    fails(ch04.check_predict_busy_cores, no_cap, "never exceed")
+    fails(ch04.check_predict_busy_cores, cap_missing_everywhere, "1 core")
+    fails(ch04.check_predict_busy_cores, two_cores_assumed, "core(s)")
+    fails(ch04.check_predict_busy_cores, list_not_dict, "a dict")
+    fails(ch04.check_predict_busy_cores, missing_one, "missing")
+    fails(ch04.check_predict_busy_cores, percent, "never more than the cores")
+    fails(ch04.check_predict_busy_cores, text_values, "a number")
+
+
+def test_busy_cores_measured_beside_the_prediction(capsys):
+    ch04.check_predict_busy_cores(busy_min)
+    out = capsys.readouterr().out
+    assert "measured" in out and "passed" in out

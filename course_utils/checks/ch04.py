@@ -1,236 +1,443 @@
 """Checkers for Chapter 4 (parallelism on the CPU).
 
-4.1 checks the chunks' property (contiguous, covering, sizes within one) on
-uneven sizes; 4.2 runs the learner's ``parallel_map`` with a task that only
-completes when exactly the asked number of worker processes run it at once,
-and that finishes out of order; 4.3 feeds tasks whose CPU time is known
-exactly (spinning on the thread's own CPU clock), so the verdicts do not
-depend on how busy the machine is.
+4.1 runs the learner's ``process_map`` (a pool written from ``Process`` and
+``Queue``) on tasks that report the process that ran them, only complete when
+the asked number of workers run at once, and include one slow item (a pool
+that hands out the next item to a free worker gives the slow item's worker
+few others); it checks order, pids, a failing task, the notebook process's
+own CPU seconds against the wall time, and that no worker is left. 4.2 runs
+the learner's ``parallel_apply_`` on float64, float32 and int64 tensors and
+checks that every chunk was written in place by its own worker process, the
+chunks balanced. 4.3 compares predicted busy cores with the GIL's rules and
+shows them beside a real run. Every call of learner code runs inside a
+timeout; processes left behind are killed and reported.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import threading
 import time
+import traceback
+from pathlib import Path
 
 import psutil
+import torch
 
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import ExerciseFailed, fail, passed, require_solution
 
-# ---------------------------------------------------------------- exercise 4.1
-
-CHUNK_CASES = [(10, 3), (100_003, 4), (12, 4), (7, 7), (101, 6), (5, 8), (1, 1),
-               (0, 3), (1000, 1), (23, 5)]
+TIMEOUT_S = 30.0
 
 
-def check_chunk_bounds(chunk_bounds) -> None:
-    ex = "4.1"
-    require_solution(ex, chunk_bounds)
-    for n, parts in CHUNK_CASES:
-        got = call_learner(ex, chunk_bounds, n, parts)
+_BEFORE: set[int] = set()  # children that were there before the check began
+
+
+def _left_children(timeout=3.0) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        # multiprocessing's own servers stay by design (resource tracker,
+        # forkserver); the learner's workers must not
+        left = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid in _BEFORE or p.status() == psutil.STATUS_ZOMBIE or any(
+                        server in " ".join(p.cmdline()) for server in
+                        ("resource_tracker", "multiprocessing.forkserver")):
+                    continue
+            except psutil.Error:
+                continue
+            left.append(p)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _kill(procs) -> None:
+    for p in procs:
         try:
-            bounds = [(int(a), int(b)) for a, b in got]
-        except (TypeError, ValueError):
-            fail(ex, "a list of (start, stop) pairs", f"{type(got).__name__}: "
-                 f"{got!r:.80}", "return [(start, stop), ...], one pair per chunk")
-        case = f"n={n}, parts={parts}"
-        if len(bounds) != parts:
-            fail(ex, f"{parts} chunks for {case}", f"{len(bounds)} chunks",
-                 "one chunk per worker, even when some are empty (n < parts)")
-        if bounds[0][0] != 0:
-            fail(ex, f"the first chunk to start at 0 ({case})", str(bounds[0]))
-        for k in range(1, parts):
-            if bounds[k][0] != bounds[k - 1][1]:
-                what = "overlaps" if bounds[k][0] < bounds[k - 1][1] else "leaves a gap"
-                fail(ex, f"chunk {k} to start where chunk {k - 1} stops ({case})",
-                     f"{bounds[k - 1]} then {bounds[k]}: it {what}",
-                     "each element must be in exactly one chunk")
-        if bounds[-1][1] != n:
-            fail(ex, f"the last chunk to stop at n = {n} ({case})", str(bounds[-1]),
-                 "the remainder n % parts must go somewhere")
-        sizes = [b - a for a, b in bounds]
-        if min(sizes) < 0:
-            fail(ex, f"chunks with start <= stop ({case})", str(bounds))
-        if max(sizes) - min(sizes) > 1:
-            fail(ex, f"chunk sizes that differ by at most 1 ({case})",
-                 f"sizes {sizes}",
-                 "spread the remainder one element at a time, not all on one chunk: "
-                 "the largest chunk sets the pool's time")
-    passed(ex, "Contiguous, covering and balanced, down to n < parts.")
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=3)
 
 
-# ---------------------------------------------------------------- exercise 4.2
+def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S):
+    """Call the learner's code in a thread; on a timeout kill its processes.
 
-_BARRIER = None  # set by the checker before the call; inherited by forked workers
-_PARENT = None
-_MET = False  # per process: has this worker met the others yet?
-
-
-def _square_in_a_worker(x):
-    """x * x and this process's pid; the first call in each worker waits for
-    the others, so it only completes with the asked number of workers."""
-    global _MET
-    if os.getpid() == _PARENT:
-        raise RuntimeError("ran in the notebook's own process, not in a worker")
-    if _BARRIER is not None and not _MET:
-        _BARRIER.wait(timeout=5)
-        _MET = True
-    if x == 0:
-        time.sleep(0.3)  # the first item finishes last: order is not free
-    return x * x, os.getpid()
-
-
-def _run_with_timeout(ex, fn, args, seconds):
-    out = {}
+    Returns ``(status, value, cpu_s, wall_s)``: status ``"value"`` or
+    ``"error"`` (what the learner's code raised), and this process's CPU
+    seconds (all its threads) and the wall seconds of the call."""
+    out: dict = {}
 
     def target():
         try:
             out["value"] = fn(*args)
-        except BaseException as e:  # reported below, in the notebook's thread
+        except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
             out["error"] = e
 
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        fail(ex, f"parallel_map to finish within {seconds} s",
-             "it is still running", "wait with a timeout, and close the pool")
+    worker = threading.Thread(target=target, daemon=True)
+    c0, w0 = time.process_time(), time.perf_counter()
+    worker.start()
+    worker.join(timeout)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    if worker.is_alive():
+        left = _left_children(0)
+        _kill(left)
+        fail(ex, f"your code to finish within {timeout:.0f} s",
+             f"it was still running ({len(left)} process(es) killed)",
+             "wait with timeouts; a worker that raises must still answer, and "
+             "every worker needs a way to stop")
     if "error" in out:
-        raise out["error"]
-    return out["value"]
+        if isinstance(out["error"], ExerciseFailed):
+            raise out["error"]
+        return "error", out["error"], cpu, wall
+    return "value", out["value"], cpu, wall
 
 
-def _children_gone(timeout=5.0) -> list:
-    deadline = time.monotonic() + timeout
-    while True:
-        # multiprocessing's own servers stay by design (the course's pools start
-        # their workers from a forkserver); their workers must not
-        left = [p for p in psutil.Process().children(recursive=True)
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                and not any(server in " ".join(p.cmdline()) for server in
-                            ("resource_tracker", "multiprocessing.forkserver"))]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+def _no_orphans(ex: str, case: str) -> None:
+    left = _left_children()
+    if left:
+        _kill(left)
+        fail(ex, f"no worker left running when your function returns ({case})",
+             f"{len(left)} process(es) still alive (now killed)",
+             "send each worker a stop signal (or terminate it), then join it")
 
 
-def check_parallel_map(parallel_map) -> None:
-    global _BARRIER, _PARENT, _MET
-    ex = "4.2"
-    require_solution(ex, parallel_map)
-    for items, processes in ((list(range(23)), 3), (list(range(0, 40, 3)), 2)):
-        _BARRIER = mp.get_context("fork").Barrier(processes)
-        _PARENT, _MET = os.getpid(), False
+def _start_check() -> None:
+    _BEFORE.clear()
+    _BEFORE.update(p.pid for p in psutil.Process().children(recursive=True))
+
+
+def _raised(ex: str, e: BaseException) -> None:
+    first = str(e).splitlines()[0] if str(e) else ""
+    fail(ex, "your function to run", f"it raised {type(e).__name__}: {first:.100}",
+         "fix that error and run the exercise cell again")
+
+
+def _meet(meet_dir: str, expected: int, wait_s: float = 5.0) -> bool:
+    """The first call in each process: wait until `expected` processes came."""
+    me = Path(meet_dir) / str(os.getpid())
+    if me.exists():
+        return True
+    me.touch()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if len(list(Path(meet_dir).iterdir())) >= expected:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _in_a_library_pool() -> bool:
+    return any(("multiprocessing/pool.py" in f.filename or
+                "concurrent/futures/process.py" in f.filename)
+               for f in traceback.extract_stack())
+
+
+# ---------------------------------------------------------------- exercise 4.1
+
+
+def pool_task(item):
+    """x * x, with the pid that computed it, whether its worker met the others,
+    and whether it ran under multiprocessing.Pool or a ProcessPoolExecutor."""
+    x, meet_dir, expected, delay = item
+    if x == "boom":
+        raise ValueError("task failed on purpose")
+    met = _meet(meet_dir, expected)
+    time.sleep(delay)
+    return x * x, os.getpid(), met, _in_a_library_pool()
+
+
+MAP_CASES = [  # values, processes
+    ([i * 1.5 - 7.25 for i in range(24)], 3),
+    ([1e-300, -3.0, 2.5e150, 7.0, -0.125, 1e10, 3.0, -2.0, 0.0], 2),
+    ([0.5, -1.5, 2.0], 4),  # fewer items than processes
+    ([float(i) for i in range(-6, 6)], 2),
+]
+SLOW_S = 1.0
+
+
+def check_process_map(process_map) -> None:
+    ex = "4.1"
+    require_solution(ex, process_map)
+    _start_check()
+    for values, processes in MAP_CASES:
+        case = f"{len(values)} items, {processes} processes"
+        expected_workers = min(processes, len(values))
+        meet_dir = tempfile.mkdtemp(prefix="ch04_meet_")
         try:
-            result = _run_with_timeout(
-                ex, lambda items=items, processes=processes: call_learner(
-                    ex, parallel_map, _square_in_a_worker, items, processes), (), 60)
-        except AssertionError as e:  # call_learner's friendly failure
-            text = str(e)
-            if "BrokenBarrier" in text:
-                fail(ex, f"{processes} worker processes working at once",
-                     "fewer or more than that (the workers never all met)",
-                     "start exactly `processes` workers, and give each some items")
-            if "notebook's own" in text:
-                fail(ex, "the work done in worker processes",
-                     "it ran in the notebook's process (serially, or in threads)",
-                     "threads share this process; use multiprocessing.Pool or a "
-                     "ProcessPoolExecutor")
-            raise
+            judged = len(values) >= 4 * processes  # is the scheduling judged?
+            items = [(v, meet_dir, expected_workers,
+                      SLOW_S if i == 0 and judged else 0.0)
+                     for i, v in enumerate(values)]
+            status, got, cpu, wall = _guarded(ex, process_map, pool_task, items,
+                                              processes)
         finally:
-            _BARRIER, _PARENT = None, None
+            shutil.rmtree(meet_dir, ignore_errors=True)
+        if status == "error":
+            _no_orphans(ex, case)
+            _raised(ex, got)
         try:
-            pairs = list(result)
-            values = [v for v, _ in pairs]
-        except (TypeError, ValueError):
-            fail(ex, "a list of fn(item) results", f"{type(result).__name__}: "
-                 f"{result!r:.80}", "return the results, not the pool or an iterator "
-                 "of something else")
-        expected = [x * x for x in items]
-        if sorted(values) == sorted(expected) and values != expected:
-            fail(ex, "the results in the order of the items", f"{values[:6]} ...",
-                 "imap_unordered and as_completed give results as they finish; "
-                 "map keeps the order")
-        if values != expected:
-            fail(ex, f"[fn(x) for x in items] = {expected[:6]} ...",
-                 f"{values[:6]} ... ({len(values)} results for {len(items)} items)",
-                 "every item exactly once: check the last chunk")
-        left = _children_gone()
-        if left:
-            for p in left:
-                p.kill()
-            fail(ex, "no worker left running after parallel_map returns",
-                 f"{len(left)} process(es) still alive",
-                 "use `with Pool(...) as pool:` (or close and join it)")
-    passed(ex, "The right results, in order, from the asked number of workers.")
+            got = list(got)
+            results = [r[0] for r in got]
+            pids = [r[1] for r in got]
+        except (TypeError, IndexError, KeyError):
+            fail(ex, f"a list of fn(item) results ({case})", f"{got!r:.80}")
+        if any(r[3] for r in got):
+            fail(ex, f"a pool you wrote from Process and Queue ({case})",
+                 "the tasks ran in multiprocessing.Pool or a ProcessPoolExecutor",
+                 "start `processes` multiprocessing.Process workers that take items "
+                 "from a Queue and put results on another")
+        if os.getpid() in pids:
+            fail(ex, f"every item computed in a worker process ({case})",
+                 "some ran in this process (serially, or in threads)",
+                 "threads share this process and its GIL; start Processes")
+        want = [v * v for v in values]
+        if len(results) != len(want):
+            fail(ex, f"{len(want)} results ({case})", f"{len(results)}",
+                 "every item exactly once")
+        if results != want:
+            hint = ("results in the order of the items, not as they finish: send "
+                    "each item's index with it" if sorted(results) == sorted(want)
+                    else "each result must be fn(item), computed once")
+            fail(ex, f"[fn(x) for x in items] ({case})", f"{results[:5]} ...", hint)
+        workers = set(pids)
+        if len(workers) > processes:
+            fail(ex, f"at most {processes} worker processes ({case})",
+                 f"{len(workers)} different processes",
+                 "start `processes` workers and let each take many items, not one "
+                 "process per item")
+        if not all(r[2] for r in got) or len(workers) < expected_workers:
+            fail(ex, f"{expected_workers} workers running at once ({case})",
+                 f"{len(workers)} process(es), not all of them at the same time",
+                 "start every worker before waiting for results; use `processes`, "
+                 "not a number of your own")
+        slow_worker = pids[0]
+        took = pids.count(slow_worker)
+        if judged and took > max(3, len(values) // (2 * processes)):
+            fail(ex, f"the slow first item's worker to take few other items ({case})",
+                 f"it ran {took} of {len(values)} items while it was busy",
+                 "a fixed share per worker (chunks, or every n-th item) leaves the "
+                 "others idle: workers should take the next item from one shared "
+                 "queue when they are free")
+        if wall > 1.0 and cpu > 0.6 * wall:
+            fail(ex, f"this process to wait, not to spin ({case})",
+                 f"{cpu:.2f} CPU s in {wall:.2f} s of wall time",
+                 "block on queue.get(timeout=...) instead of polling in a loop")
+        _no_orphans(ex, case)
+    # a task that raises: the error reaches the caller, and nothing hangs
+    meet_dir = tempfile.mkdtemp(prefix="ch04_meet_")
+    try:
+        items = [(v, meet_dir, 1, 0.0) for v in (1.0, "boom", 3.0, 4.0)]
+        status, got, _, _ = _guarded(ex, process_map, pool_task, items, 2)
+    finally:
+        shutil.rmtree(meet_dir, ignore_errors=True)
+    if status != "error":
+        _no_orphans(ex, "a task that raises")
+        fail(ex, "an error raised in the caller when a task raises",
+             f"it returned {got!r:.60}", "catch the exception in the worker, send "
+             "it back with the item's index, and raise it in process_map")
+    _no_orphans(ex, "a task that raises")
+    passed(ex, "Results in order, from the asked number of workers taking items as "
+           "they free up, errors raised, nothing left running.")
+
+
+# ---------------------------------------------------------------- exercise 4.2
+
+
+class ChunkTask:
+    """chunk * 2 + 1; records which process got which rows, and meets the others."""
+
+    def __init__(self, log_dir: str, expected: int):
+        self.log_dir, self.expected = log_dir, expected
+
+    def __call__(self, chunk):
+        met = _meet(self.log_dir + "/meet", self.expected) if chunk.numel() else True
+        rows = chunk.shape[0] if chunk.dim() else 1
+        with open(Path(self.log_dir) / f"log_{os.getpid()}", "a") as f:
+            f.write(f"{rows if chunk.numel() else 0} {int(met)}\n")
+        return chunk * 2 + 1
+
+
+APPLY_CASES = [  # shape, dtype, processes
+    ((1001,), torch.float64, 3),
+    ((7, 5), torch.float32, 2),
+    ((5,), torch.int64, 4),
+    ((3, 2), torch.float64, 4),  # fewer rows than processes
+    ((10,), torch.float32, 1),
+]
+
+
+def _logged(log_dir: str):
+    calls = []
+    for path in Path(log_dir).glob("log_*"):
+        pid = int(path.name.split("_")[1])
+        for line in path.read_text().splitlines():
+            rows, met = line.split()
+            calls.append((pid, int(rows), met == "1"))
+    return calls
+
+
+def check_parallel_apply_(parallel_apply_) -> None:
+    ex = "4.2"
+    require_solution(ex, parallel_apply_)
+    _start_check()
+    g = torch.Generator().manual_seed(4)
+    for shape, dtype, processes in APPLY_CASES:
+        kind = str(dtype).replace("torch.", "")
+        case = f"shape {shape}, {kind}, {processes} processes"
+        if dtype.is_floating_point:
+            t = torch.randn(shape, generator=g, dtype=torch.float64)
+            t = (t * torch.logspace(-8, 8, t.numel(), dtype=torch.float64
+                                    ).reshape(shape)).to(dtype)
+        else:
+            t = torch.randperm(t_numel := int(torch.tensor(shape).prod()),
+                               generator=g).reshape(shape) * 10**12 - t_numel
+        original = t.clone()
+        want = original * 2 + 1
+        rows = shape[0]
+        nonempty = min(processes, rows)
+        log_dir = tempfile.mkdtemp(prefix="ch04_apply_")
+        os.makedirs(log_dir + "/meet")
+        try:
+            task = ChunkTask(log_dir, nonempty)
+            status, got, _, _ = _guarded(ex, parallel_apply_, t, processes, task)
+            calls = _logged(log_dir)
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        if status == "error":
+            _no_orphans(ex, case)
+            _raised(ex, got)
+        _no_orphans(ex, case)
+        if t.dtype != dtype or t.shape != original.shape:
+            fail(ex, f"t itself, still {dtype} of shape {shape} ({case})",
+                 f"{t.dtype} of shape {tuple(t.shape)}")
+        if not calls:
+            fail(ex, f"fn called on the chunks ({case})", "it was never called")
+        pids = {pid for pid, r, _ in calls if r}
+        if os.getpid() in pids:
+            fail(ex, f"each chunk computed in a worker process ({case})",
+                 "fn ran in this process (serially, or in threads)",
+                 "start a multiprocessing Process per chunk")
+        if torch.equal(t, original):
+            returned = isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                torch.equal(got, want)
+            fail(ex, f"t changed in place ({case})", "t unchanged" +
+                 (" (the result was returned instead)" if returned else ""),
+                 "a forked child writes to its own copy of t's pages: call "
+                 "t.share_memory_() first, and have each worker write "
+                 "t[start:stop] = fn(t[start:stop])")
+        if not torch.equal(t, want):
+            bad = (t != want).nonzero()[0].tolist()
+            fail(ex, f"every row of t replaced by fn(row), exactly ({case})",
+                 f"row {bad[0]} differs", "each chunk written once, in t's own "
+                 "dtype (no float32 copy of a float64 tensor)")
+        sizes = sorted((r for _, r, _ in calls), reverse=True)
+        if any(s == rows for s in sizes) and nonempty > 1:
+            fail(ex, f"each worker given its chunk of the rows ({case})",
+                 "a worker got all the rows", "split along dim 0 into `processes` "
+                 "chunks")
+        nonzero = [s for s in sizes if s]
+        if sum(nonzero) != rows:
+            fail(ex, f"chunks covering the {rows} rows once ({case})",
+                 f"chunk sizes {nonzero}", "each row in exactly one chunk")
+        if len(nonzero) != nonempty or max(nonzero) - min(nonzero) > 1:
+            fail(ex, f"{nonempty} chunks whose sizes differ by at most one ({case})",
+                 f"chunk sizes {nonzero}", "spread the remainder one row at a time "
+                 "(the largest chunk sets the time); one chunk per process")
+        if len(pids) != nonempty:
+            fail(ex, f"{nonempty} worker processes, one per chunk ({case})",
+                 f"{len(pids)} processes")
+        if not all(met for *_, met in calls):
+            fail(ex, f"the {nonempty} workers running at once ({case})",
+                 "they ran one after the other", "start every worker, then join")
+    passed(ex, "Written in place, through shared memory, by one worker per "
+           "balanced chunk, all at once.")
 
 
 # ---------------------------------------------------------------- exercise 4.3
 
-
-def _spin(seconds: float) -> None:
-    """Use `seconds` of this thread's CPU time, however busy the machine is."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
-def _sleeps():
-    time.sleep(0.3)
-
-
-def _spins_here():
-    _spin(0.25)
+SETUPS = {
+    "python loop, 2 threads": "the GIL lets one thread at a time run bytecode",
+    "torch matmul, 2 threads (1 torch thread each)":
+        "torch releases the GIL inside its operators: both threads compute, if "
+        "there are cores for them",
+    "sleep, 2 threads": "a sleeping thread uses no CPU",
+    "python loop, 2 processes": "each process has its own interpreter and GIL",
+    "torch matmul, 2 processes x 4 torch threads":
+        "8 threads want cores, but busy cores can never exceed the cores there are",
+}
 
 
-def _spins_in_a_thread():
-    t = threading.Thread(target=_spin, args=(0.25,))
-    t.start()
-    t.join()
+def ideal_busy_cores(cores: int) -> dict[str, float]:
+    return {"python loop, 2 threads": 1.0,
+            "torch matmul, 2 threads (1 torch thread each)": float(min(2, cores)),
+            "sleep, 2 threads": 0.0,
+            "python loop, 2 processes": float(min(2, cores)),
+            "torch matmul, 2 processes x 4 torch threads": float(min(8, cores))}
 
 
-def _spins_in_two_threads():
-    ts = [threading.Thread(target=_spin, args=(0.15,)) for _ in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-
-
-CPU_CASES = [  # task, cpu seconds it uses (at least), wall seconds it takes (at least)
-    (_sleeps, 0.0, 0.3, "sleeps 0.3 s"),
-    (_spins_here, 0.25, 0.25, "computes for 0.25 s in the calling thread"),
-    (_spins_in_a_thread, 0.25, 0.25, "computes for 0.25 s in another thread"),
-    (_spins_in_two_threads, 0.30, 0.15, "computes 0.15 s in each of two threads"),
-]
-
-
-def check_cpu_and_wall(cpu_and_wall) -> None:
+def check_predict_busy_cores(predict_busy_cores, measure: bool = True) -> None:
     ex = "4.3"
-    require_solution(ex, cpu_and_wall)
-    for task, cpu_min, wall_min, what in CPU_CASES:
-        got = call_learner(ex, cpu_and_wall, task)
-        try:
-            cpu, wall = (float(v) for v in got)
-        except (TypeError, ValueError):
-            fail(ex, "(cpu_seconds, wall_seconds), two numbers", f"{got!r:.80}")
-        if not 0.95 * wall_min <= wall <= 30:
-            fail(ex, f"wall time of at least {wall_min} s for a task that {what}",
-                 f"{wall:.3g}", "wall time is a clock on the wall: time.perf_counter() "
-                 "before and after (in seconds)")
-        if cpu_min == 0 and cpu > 0.1:
-            fail(ex, "about 0 CPU seconds for a task that sleeps",
-                 f"{cpu:.3g}", "a sleeping thread uses no CPU: that clock is "
-                 "time.process_time(), not a wall clock")
-        if cpu_min and cpu < 0.9 * cpu_min:
-            hint = ("count every thread of the process: time.process_time(), not "
-                    "time.thread_time()" if "thread" in what else
-                    "CPU seconds: time.process_time() before and after")
-            fail(ex, f"at least {cpu_min} CPU seconds for a task that {what}",
-                 f"{cpu:.3g}", hint)
-        if cpu > 30:
-            fail(ex, "CPU seconds, in seconds", f"{cpu:.3g}",
-                 "convert nanoseconds to seconds")
-    passed(ex, "CPU and wall time, measured whatever the machine's load.")
+    require_solution(ex, predict_busy_cores)
+    for cores in (1, 2, 4, 16, 3):
+        status, got, _, _ = _guarded(ex, predict_busy_cores, cores, timeout=10)
+        if status == "error":
+            _raised(ex, got)
+        if not isinstance(got, dict):
+            fail(ex, "a dict: setup -> busy cores", f"{type(got).__name__}")
+        ideal = ideal_busy_cores(cores)
+        missing = [k for k in ideal if k not in got]
+        if missing:
+            fail(ex, f"a prediction for each of {list(ideal)}", f"missing {missing}")
+        for setup, want in ideal.items():
+            try:
+                value = float(got[setup])
+            except (TypeError, ValueError):
+                fail(ex, f"a number for {setup!r}", f"{got[setup]!r:.40}")
+            if abs(value - want) > 0.25:
+                fail(ex, f"about {want:g} busy cores for {setup!r} on {cores} "
+                     "core(s)", f"{value:g}", SETUPS[setup] +
+                     ("" if value <= cores else "; and never more than the cores"))
+    if measure:
+        _show_measured(predict_busy_cores)
+    passed(ex, "Busy cores predicted as the GIL and the cores allow.")
+
+
+def _show_measured(predict_busy_cores) -> None:
+    """Run three of the setups here and print their busy cores beside yours."""
+    from course_utils.compare import Meter
+    from course_utils.devices import usable_cores
+
+    def loop():
+        total = 0
+        for i in range(400_000):
+            total += i * i
+
+    a = torch.randn(256, 256)
+
+    def matmuls():
+        for _ in range(30):
+            a @ a
+
+    cores = usable_cores()
+    mine = predict_busy_cores(cores)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for setup, task in (("python loop, 2 threads", loop),
+                            ("torch matmul, 2 threads (1 torch thread each)", matmuls),
+                            ("sleep, 2 threads", lambda: time.sleep(0.2))):
+            ts = [threading.Thread(target=task) for _ in range(2)]
+            with Meter() as m:
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join(30)
+            note = " (disturbed by other programs)" if m.disturbed else ""
+            print(f"  {setup:48s} yours {float(mine[setup]):4.1f}, measured "
+                  f"{m.busy_cores:4.2f}{note}")
+    finally:
+        torch.set_num_threads(saved)
