@@ -345,7 +345,7 @@ else:
 # ### How big a block, and how many?
 #
 # **Claim** (seed): a launch with "too many" threads wastes threads that other
-# kernels could have used. **Measured here:** rounding up leaves at most
+# kernels could have used. **Counted here:** rounding up leaves at most
 # `threads - 1` spare threads, all in the last block, and each exits at the
 # guard after a few instructions. **What matters instead:** a block size that
 # is a **multiple of 32**, so every warp is full (a block of 100 threads runs
@@ -475,8 +475,8 @@ for name, idx in patterns.items():
 # the bytes used. Random indices come close to that.
 #
 # Does it cost time? `torch.take(src, idx)` launches the same
-# one-thread-per-element gather, timed here for three patterns on one thread
-# of this device. A CPU has the same problem with its 64-byte cache lines, so
+# one-thread-per-element gather, timed here for three patterns on this device
+# (one thread, on a CPU). A CPU has the same problem with its 64-byte cache lines, so
 # the CPU run is an honest analogue; beside it is the sector model's
 # prediction for an H100 (`kernels.gather_prediction` says how).
 

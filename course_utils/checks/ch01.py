@@ -450,7 +450,7 @@ class _Launch:
             self.state[tid] = "done"
             self._pass_token()
 
-    def run_block(self, block: int, args, timeout: float = 10.0):
+    def run_block(self, block: int, args, timeout: float = 20.0):
         self.block, self.steps, self.error, self.abort = block, 0, None, False
         self.shared, self.written = [], []
         self.shared_calls = [0] * self.threads
