@@ -983,7 +983,7 @@ print("3-D input, no dim: sums to 1 across the batch (dim 0):",
 # - Inside a server GPUs talk over NVLink, across servers over a network
 #   several times slower; that gap decides where each kind of parallelism goes.
 # - `torch.device("cuda")` names the *current* GPU; `set_device` and
-#   `with torch.cuda.device(i)` change it. `torch.cuda.device` is a context
+#   `with torch.cuda.device(i)` change it, for the calling thread only. `torch.cuda.device` is a context
 #   manager, not a device: never pass it to `.to()`.
 # - `tensor.to()` returns a new tensor; `module.to()` moves the module in place
 #   and keeps its Parameter objects. Still, move the model, then create the
