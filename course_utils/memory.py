@@ -22,6 +22,9 @@ profiler's cumulative counter. They work on the CPU and on fake tensors.
   size), so that a chapter can show the whole curve; and
   ``LLAMA2_2_LAYERS_FSDP2``, a 2-layer point small enough to recompute live
   and compare byte for byte.
+- ``LiveBytes``: a light dispatch mode that counts the bytes of storages made
+  while it is active and still alive (current and peak); Chapter 8's
+  checkers use it for many small steps.
 """
 
 from __future__ import annotations
