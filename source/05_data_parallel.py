@@ -442,9 +442,9 @@ for n, (dp_s, ddp_s) in rows.items():
           f"{ddp_s * 1e3:6.1f} ms ({dp_s / ddp_s:.2f}x)")
 print(f"  [{step_model.label}]")
 print("caveat: the DDP line's all-reduce is calibrated (python -m "
-      "course_utils.predict --calibration: 8-GPU NVLink sweeps within 25 %); no "
-      "published measurement of DataParallel was found to check its line, which "
-      "leaves out its Python overhead and so is optimistic")
+      "course_utils.predict --calibration: 8-GPU NVLink sweeps within 25 %); the "
+      "DataParallel line leaves out its Python overhead, so it is optimistic (the "
+      "published runs in section 6 are of other GPUs and another model)")
 
 # %% [markdown]
 # The prediction does not change with `n`: both move about `4P` bytes per
@@ -567,14 +567,14 @@ runs = {"DataParallel (NVLink there)": "dp_two_gpus_train_seconds",
 for label, key in runs.items():
     pub = reference.published(f"hf_multigpu_guide.{key}")
     print(f"  {label:28s} {pub.value:6.1f} s for 200 steps")
-print(f"  [{pub.label}]")
+print(f"  [published: {pub.source}]")
 
 # %% [markdown]
 # DDP was faster with the fast link and slower without it: its gradient
 # all-reduce is cheap only when the link is. The CPU analogue: the large
 # model above, 2 "devices" as 2 threads of this process (our DataParallel,
 # backward per replica) against 2 processes running PyTorch's DDP over gloo
-# (Chapter 6 explains it), one core each, the same 10 steps. Each DDP rank
+# (Chapter 6 explains it), one core each, the same 5 steps. Each DDP rank
 # times its own steps, so the processes' start-up is not counted.
 
 # %%
@@ -590,7 +590,7 @@ def ddp_steps(rank, world, width, rows, steps):
     return time.perf_counter() - w0, time.process_time() - c0
 
 
-def ddp_run(steps=10):
+def ddp_run(steps=5):
     ranks = [r.value for r in launch(ddp_steps, 2, args=(512, 512, steps),
                                      backend="gloo", echo=False)]  # CPU ranks
     return {"wall_s": max(w for w, _ in ranks), "cpu_s": sum(c for _, c in ranks)}
@@ -604,7 +604,7 @@ torch.set_num_threads(1)
 try:
     analogue = compare_timings({
         "DataParallel: 2 threads": lambda: [dp_step(net, xb, 2, True)
-                                            for _ in range(10)],
+                                            for _ in range(5)],
         "DDP: 2 processes": ddp_run}, repeats=3, number=1)
 finally:
     torch.set_num_threads(saved)
