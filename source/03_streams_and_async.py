@@ -789,7 +789,7 @@ transfers.draw_mlp_graph()
 class SyntheticBatches(Dataset):
     """Batch i: random images, FFT-filtered (real CPU work), with its timestamps."""
 
-    def __init__(self, n_batches, batch_size=32, side=64, passes=16):
+    def __init__(self, n_batches, batch_size=32, side=64, passes=12):
         self.n_batches, self.batch_size, self.side = n_batches, batch_size, side
         self.passes = passes
         self.mask = torch.rand(side, side // 2 + 1,
@@ -834,7 +834,7 @@ def run_epoch(loader, spans):
 
 
 # %% [markdown]
-# The comparison runs an epoch of 12 batches with 0, 1 and 2 workers and,
+# The comparison runs an epoch of 10 batches with 0, 1 and 2 workers and,
 # first, an epoch on **preloaded** batches (made beforehand, not timed),
 # interleaved as always. The workers are persistent, so the warm-up epoch
 # pays for starting them; their CPU time counts in the busy cores. Every
@@ -861,7 +861,7 @@ def preloaded_epoch():
         torch.cuda.synchronize(device)
 
 
-N_BATCHES, FORK = 12, "fork" if "fork" in mp.get_all_start_methods() else None
+N_BATCHES, FORK = 10, "fork" if "fork" in mp.get_all_start_methods() else None
 data = SyntheticBatches(N_BATCHES)
 loaders = {k: DataLoader(data, batch_size=None, pin_memory=HAS_CUDA, **(
     {"num_workers": k, "persistent_workers": True, "multiprocessing_context": FORK,
