@@ -353,7 +353,10 @@ for world_size in (2, 3):
 
 # %% [markdown]
 # Bitwise equal, on 2 ranks and on 3: the same sums in the same order feed
-# the same Adam arithmetic, only split across ranks. What each rank holds is
+# the same Adam arithmetic, only split across ranks. (Over `nccl` with 3 or
+# more ranks, the all-reduce and the reduce-scatter may add the ranks'
+# gradients in different orders - NCCL picks an algorithm per call - so a
+# difference of float rounding can show up there.) What each rank holds is
 # exactly a `1/N` slice of every sharded state, padding included:
 
 # %%
@@ -706,7 +709,10 @@ def save_checkpoint(rank, world_size, mesh, folder, x, y):
         opt.zero_grad()
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{folder}/sync")
-    future = dcp.async_save({"model": model_sd}, checkpoint_id=f"{folder}/async")
+    # async_save coordinates over a CPU group: nccl ranks make a gloo one for it
+    cpu_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+    future = dcp.async_save({"model": model_sd}, checkpoint_id=f"{folder}/async",
+                            process_group=cpu_group)
     returned_at_once = not future.done()
     future.result()
     return {"weights": [p.full_tensor() for p in model.parameters()],
@@ -923,8 +929,10 @@ def gpu_peak_rank(rank, world_size):
         opt.zero_grad()
 
     step()
+    torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     counted = memory.track_step(step, x, y, fsdp_model=model, optimizer=opt)["total"]
+    torch.cuda.synchronize(dev)
     return counted, torch.cuda.max_memory_allocated(dev)
 
 
@@ -953,7 +961,7 @@ reference.show("09.fsdp2_8x1024_peak_bytes_2gpus", unit="B", figures=[
 #   reduce-scatter in backward), stage 3 the parameters (an all-gather per
 #   layer in forward and again in backward, 1.5x DDP's communication). Built
 #   from `reduce_scatter_single` and `all_gather_single` over padded flat
-#   tensors, it matches DDP bitwise.
+#   tensors, it matches DDP bitwise (over `gloo`; to rounding over `nccl`).
 # - `MemTracker` and `FSDPMemTracker` count memory per rank by category,
 #   deterministically: the same on every rank, on CPU, GPU or fake tensors.
 # - FSDP2's `fully_shard` per block and root gives DTensor parameters;
