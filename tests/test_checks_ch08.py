@@ -3,6 +3,7 @@ with a message that names the mistake."""
 
 import glob
 import itertools
+import math
 import os
 import pathlib
 import tempfile
@@ -611,16 +612,27 @@ def fmt_loop(values, rel_error):
     return "float64"
 
 
-def fmt_finfo_then_check(values, rel_error):
+def fmt_python_floats(values, rel_error):  # element by element, Python floats
+    xs = values.reshape(-1).tolist()
     for name in ("float16", "bfloat16", "float32"):
-        dt = getattr(torch, name)
-        if values.abs().max() > torch.finfo(dt).max:
-            continue
-        back = values.to(dt).double()
-        rel = (back - values.double()).abs() / values.double().abs().clamp_min(1e-300)
-        if rel.max() <= rel_error:
+        stored = torch.tensor(xs, dtype=torch.float64).to(getattr(torch, name)).tolist()
+        if all(math.isfinite(s) and abs(s - v) <= rel_error * abs(v)
+               for s, v in zip(stored, xs, strict=True)):
             return name
     return "float64"
+
+
+class FormatPicker:  # a class; relative error with zeros handled apart
+    order = ("float16", "bfloat16", "float32")
+
+    def __call__(self, values, rel_error):
+        v = values.to(torch.float64)
+        for name in self.order:
+            r = values.to(getattr(torch, name)).to(torch.float64)
+            err = torch.where(v == 0, (r - v).abs(), (r - v).abs() / v.abs())
+            if torch.isfinite(r).all() and (err <= rel_error).all():
+                return name
+        return "float64"
 
 
 def fmt_isclose(values, rel_error):
@@ -645,8 +657,8 @@ def fmt_numpy(values, rel_error):
     return "float64"
 
 
-@pytest.mark.parametrize("fn", [fmt_loop, fmt_finfo_then_check, fmt_isclose,
-                                fmt_dtype_object, fmt_numpy])
+@pytest.mark.parametrize("fn", [fmt_loop, fmt_python_floats, FormatPicker(),
+                                fmt_isclose, fmt_dtype_object, fmt_numpy])
 def test_right_formats_pass(fn):
     ch08.check_cheapest_format(fn)
 
@@ -715,5 +727,92 @@ def test_wrong_formats_fail():
     fails(ch08.check_cheapest_format, always_float32, "16-bit format would do")
     fails(ch08.check_cheapest_format, always_float16, "65504")
     fails(ch08.check_cheapest_format, absolute_error, "16-bit format would do")
-    fails(ch08.check_cheapest_format, mean_error, "try float16")
+    fails(ch08.check_cheapest_format, mean_error, "division by |v|")
     fails(ch08.check_cheapest_format, first_value_only, "65504")
+
+
+def fmt_finfo_then_check(values, rel_error):  # range by finfo.max: 65510 fits
+    for name in ("float16", "bfloat16", "float32"):
+        dt = getattr(torch, name)
+        if values.abs().max() > torch.finfo(dt).max:
+            continue
+        back = values.to(dt).double()
+        rel = (back - values.double()).abs() / values.double().abs().clamp_min(1e-300)
+        if rel.max() <= rel_error:
+            return name
+    return "float64"
+
+
+def fmt_never_float64(values, rel_error):
+    exact = values.double()
+    for name in ("float16", "bfloat16"):
+        s = values.to(getattr(torch, name)).double()
+        if torch.isfinite(s).all() and (
+                (s - exact).abs() <= rel_error * exact.abs()).all():
+            return name
+    return "float32"
+
+
+def fmt_float32_reference(values, rel_error):  # the "exact" values in float32
+    exact = values.float()
+    for name in ("float16", "bfloat16", "float32"):
+        s = values.to(getattr(torch, name)).float()
+        if torch.isfinite(s).all() and (
+                (s - exact).abs() <= rel_error * exact.abs()).all():
+            return name
+    return "float64"
+
+
+def fmt_eps_and_tiny(values, rel_error):  # a formula from finfo, no conversion
+    a = values.double().abs()
+    nonzero = a[a > 0]
+    for name in ("float16", "bfloat16", "float32"):
+        fi = torch.finfo(getattr(torch, name))
+        if fi.eps / 2 <= rel_error and a.max() <= fi.max and (
+                nonzero.numel() == 0 or nonzero.min() >= fi.tiny):
+            return name
+    return "float64"
+
+
+def fmt_strictly_less(values, rel_error):  # < : a zero never passes
+    exact = values.double()
+    for name in ("float16", "bfloat16", "float32"):
+        s = values.to(getattr(torch, name)).double()
+        if torch.isfinite(s).all() and (
+                (s - exact).abs() < rel_error * exact.abs()).all():
+            return name
+    return "float64"
+
+
+def fmt_mean_clamped(values, rel_error):  # the mean relative error, zeros handled
+    exact = values.double()
+    for name in ("float16", "bfloat16", "float32"):
+        s = values.to(getattr(torch, name)).double()
+        rel = (s - exact).abs() / exact.abs().clamp_min(1e-300)
+        if torch.isfinite(s).all() and rel.mean() <= rel_error:
+            return name
+    return "float64"
+
+
+def fmt_rounded_in_place(values, rel_error):  # writes the rounded values back
+    answer = fmt_loop(values.clone(), rel_error)
+    values.copy_(values.to(torch.float16).to(values.dtype))
+    return answer
+
+
+def fmt_calls_reference(values, rel_error):  # returns what the check compares with
+    return ch08.cheapest_format_reference(values, rel_error)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (fmt_finfo_then_check, ["65504", "finfo"]),
+    (fmt_never_float64, ["float64", "float32 copy"]),
+    (fmt_float32_reference, ["float64", "float32 copy"]),
+    (fmt_eps_and_tiny, ["65504", "finfo"]),
+    (fmt_strictly_less, ["zero", "<="]),
+    (fmt_mean_clamped, ["every value", "mean"]),
+    (fmt_rounded_in_place, ["left as given", "never write"]),
+    (fmt_calls_reference, ["reference answer"]),
+])
+def test_more_wrong_formats_fail(fn, words):
+    fails(ch08.check_cheapest_format, fn, *words)

@@ -67,10 +67,21 @@ def _same(a, b, rtol=1e-5, atol=1e-7) -> bool:
                                                  atol=atol)
 
 
+def _not_from_learner(exercise: str) -> None:
+    """Called first by the checker's own reference answers: code outside this
+    module that calls one (an import from the checker) has not solved it."""
+    import sys
+
+    if sys._getframe(2).f_globals.get("__name__") != __name__:
+        fail(exercise, "your own code", "a call to the checker's reference answer",
+             "write the function yourself: the check compares with this reference")
+
+
 # ---------------------------------------------------------------- exercise 8.1
 
 
 def _solution_step(model, optimizer, scaler, x, y, max_norm):
+    _not_from_learner("8.1")
     optimizer.zero_grad()
     scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
     scaler.unscale_(optimizer)
@@ -268,6 +279,7 @@ RECOMPUTE_CASES = [  # what, width, depth, dropout, dtype, input shape, x needs 
 
 def _reference_recompute(segment, x):
     """The checker's own recomputation (torch's, not reentrant)."""
+    _not_from_learner("8.2")
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(segment, x, use_reentrant=False)
@@ -577,6 +589,7 @@ FORMATS = ("float16", "bfloat16", "float32")
 
 
 def cheapest_format_reference(values: torch.Tensor, rel_error: float) -> str:
+    _not_from_learner("8.4")
     v = values.double()
     for name in FORMATS:
         r = values.to(getattr(torch, name)).double()
@@ -588,16 +601,36 @@ def cheapest_format_reference(values: torch.Tensor, rel_error: float) -> str:
     return "float64"
 
 
-FORMAT_CASES = [
-    ("pixel values 0-255", torch.arange(0.0, 256.0, 7.0), 1e-3),
-    ("large activations", torch.tensor([7e4, 1.2e5, 3.0e4, 9.9e4]), 1e-2),
-    ("tiny gradients", torch.tensor([3e-9, 1e-10, 5e-12, 2e-8]), 1e-2),
-    ("precise weights", torch.tensor([1.0001, 0.99991, 1.00037]), 1e-5),
-    ("moderate values, loose tolerance", torch.tensor([0.5, 3.25, -12.0, 100.0]), 1e-2),
-    ("large and precise", torch.tensor([70000.5, 123456.25]), 1e-4),
-    ("mostly small, one large", torch.tensor([1.0, 2.0, 0.5, 1e5]), 1e-2),
+FORMAT_CASES = [  # what, values, relative error, what the case is about
+    ("pixel values 0-255", torch.arange(0.0, 256.0, 7.0), 1e-3, ""),
+    ("large activations", torch.tensor([7e4, 1.2e5, 3.0e4, 9.9e4]), 1e-2, ""),
+    ("tiny gradients", torch.tensor([3e-9, 1e-10, 5e-12, 2e-8]), 1e-2, ""),
+    ("precise weights", torch.tensor([1.0001, 0.99991, 1.00037]), 1e-5, ""),
+    ("moderate values, loose tolerance", torch.tensor([0.5, 3.25, -12.0, 100.0]), 1e-2,
+     ""),
+    ("large and precise", torch.tensor([70000.5, 123456.25]), 1e-4, ""),
+    ("mostly small, one large", torch.tensor([1.0, 2.0, 0.5, 1e5]), 1e-2, ""),
     ("one value below float16's smallest subnormal",
-     torch.tensor([1.0, 0.25, -3.0, 4e-8], dtype=torch.float64), 1e-2),
+     torch.tensor([1.0, 0.25, -3.0, 4e-8], dtype=torch.float64), 1e-2, ""),
+    ("values that float16 rounds down to its largest, 65504",
+     torch.tensor([65510.0, -65519.0, 1.0]), 1e-2,
+     "values below 65520 round to 65504 in float16, a finite value: convert and "
+     "look at the stored values instead of comparing with torch.finfo(...).max"),
+    ("float64 values finer than float32 keeps",
+     torch.tensor([1 + 2.0**-40, -3.0 + 2.0**-38], dtype=torch.float64), 1e-13,
+     "the values are float64: compare with values.double(), never with a "
+     "float32 copy, and return float64 when no cheaper format will do"),
+    ("float64 values beyond float32's range",
+     torch.tensor([1e39, -2.5e-3], dtype=torch.float64), 1e-2,
+     "float32's largest value is about 3.4e38: beyond it only float64 stores the "
+     "values finite"),
+    ("a 2-D tensor of zeros, negatives and a float16 subnormal, stored exactly",
+     torch.tensor([[0.0, -1.5], [2.0**-20, 3.0], [0.0, 0.0]]), 1e-6,
+     "values a format stores exactly pass any tolerance, tiny subnormals and "
+     "zeros included (a zero's error is 0, never 0/0): convert and compare "
+     "rather than reasoning from eps or the smallest normal"),
+    ("nine exact values and one off by 1e-4", torch.tensor([1.0] * 9 + [1.0001]),
+     2e-5, "every value must be within the tolerance, not their mean or most"),
 ]
 
 
@@ -610,10 +643,15 @@ def check_cheapest_format(cheapest_format) -> None:
 
 def _formats_body(cheapest_format) -> None:
     ex = "8.4"
-    for what, values, rel in FORMAT_CASES:
+    for what, values, rel, about in FORMAT_CASES:
         want = cheapest_format_reference(values, rel)
-        got = call_learner(ex, cheapest_format, values.clone(), rel)
+        given = values.clone()
+        got = call_learner(ex, cheapest_format, given, rel)
         got = str(got).replace("torch.", "")
+        if not torch.equal(given, values) or given.dtype != values.dtype:
+            fail(ex, f"the values left as given ({what})", "they were changed",
+                 "convert copies (values.to(...) returns a new tensor); never "
+                 "write into values")
         if got == want:
             continue
         hints = {
@@ -623,6 +661,10 @@ def _formats_body(cheapest_format) -> None:
                         "(about 3 significant digits)",
             "float32": "a 16-bit format would do: try the cheap ones first",
         }
-        fail(ex, f"{want} for {what} (relative error {rel:g})", got,
-             hints.get(got, "try float16, then bfloat16, then float32: convert and "
-                       "compare with the original values"))
+        hint = hints.get(got, "try float16, then bfloat16, then float32: convert "
+                         "and compare with the original values")
+        if (values == 0).any() and got == "float64":  # no format passed: zeros?
+            about = ("a zero is stored exactly, with an error of 0: test "
+                     "|stored - v| <= rel_error * |v| (true at 0), not < and not "
+                     "a division by |v|")
+        fail(ex, f"{want} for {what} (relative error {rel:g})", got, about or hint)
