@@ -601,8 +601,7 @@ def _judge_all_reductions(fn):
     for case in ch13.REDUCTION_CASES:
         grads = ch13.make_gradients(case)
         for _ in range(2):
-            ch13.judge_reduction(case, fn({c: t.clone() for c, t in grads.items()},
-                                          case[1]))
+            ch13.judge_reduction(case, ch13.answer_reductions(fn, case, grads))
 
 
 @pytest.mark.parametrize("fn", RIGHT_REDUCTION,
@@ -627,3 +626,198 @@ def test_reduction_checker_runs_the_learner_code():
     ch13.check_missing_reductions(right_pairs)
     with pytest.raises(ExerciseFailed):
         ch13.check_missing_reductions(wrong_exact)
+
+
+# Answers written without reading the ones above: each wrong one with the words
+# its failure must contain.
+
+def _one_apart(grads, dim_names, close):
+    out = set()
+    for d, name in enumerate(dim_names):
+        for c, g in grads.items():
+            for c2, g2 in grads.items():
+                apart = [i for i in range(len(c)) if c[i] != c2[i]]
+                if apart == [d] and not close(g, g2):
+                    out.add(name)
+    return out
+
+
+def wrong_allclose_defaults(grads, dim_names):  # atol 1e-8 hides 1e-11 gradients
+    return _one_apart(grads, dim_names, lambda a, b: torch.allclose(a, b))
+
+
+def wrong_sums(grads, dim_names):  # an output bias's gradient sums to zero
+    return _one_apart(grads, dim_names, lambda a, b: abs(a.sum() - b.sum())
+                      <= 1e-3 * a.abs().sum())
+
+
+def wrong_first_element(grads, dim_names):  # an embedding's row 0 is zero
+    return _one_apart(grads, dim_names, lambda a, b: abs(
+        a.flatten()[0] - b.flatten()[0]) <= 1e-3 * a.abs().max())
+
+
+def wrong_elementwise_relative(grads, dim_names):  # 0 / 0 where rows are zero
+    return _one_apart(grads, dim_names,
+                      lambda a, b: ((a - b).abs() / b.abs()).max() <= 1e-4)
+
+
+def wrong_two_dims_only(grads, dim_names):  # a 2-D mesh assumed
+    out = set()
+    for c, g in grads.items():
+        for d in range(min(2, len(c))):
+            twin = grads[c[:d] + (0,) + c[d + 1:]]
+            if not torch.allclose(g, twin, rtol=1e-3, atol=0):
+                out.add(dim_names[d])
+    return out
+
+
+def wrong_eps_tolerance(grads, dim_names):  # float32's epsilon: rounding flagged
+    return _one_apart(grads, dim_names, lambda a, b: (a - b).abs().max()
+                      <= 1e-7 * a.abs().max())
+
+
+def wrong_half_precision(grads, dim_names):  # compared in float16: overflows
+    return _one_apart(grads, dim_names, lambda a, b: not (
+        (a.half() - b.half()).abs().max() > 1e-2 * a.half().abs().max()))
+
+
+_BY_NAMES = {}
+
+
+def wrong_cached_by_names(grads, dim_names):  # the first answer for these names
+    key = tuple(dim_names)
+    if key not in _BY_NAMES:
+        _BY_NAMES[key] = right_pairs(grads, dim_names)
+    return _BY_NAMES[key]
+
+
+def wrong_in_place(grads, dim_names):  # subtracts in place: later pairs see zeros
+    out = set()
+    for d, name in enumerate(dim_names):
+        for c, g in grads.items():
+            other = grads[c[:d] + (0,) + c[d + 1:]]
+            if other is not g:
+                g.sub_(other)
+                if g.abs().max() > 1e-3 * other.abs().max():
+                    out.add(name)
+    return out
+
+
+def wrong_std_absolute(grads, dim_names):  # an absolute tolerance on the spread
+    return _one_apart(grads, dim_names, lambda a, b: (a - b).std() <= 1e-6)
+
+
+def wrong_reads_frames(grads, dim_names):
+    import inspect
+    for f in inspect.stack():
+        if "case" in f.frame.f_locals:
+            return set(f.frame.f_locals["case"][2])
+    return set()
+
+
+def wrong_replays_cases(grads, dim_names):
+    from course_utils.checks import ch13 as checker
+    for case in checker.REDUCTION_CASES:
+        if tuple(case[1]) == tuple(dim_names):
+            made = checker.make_gradients(case)
+            if all(torch.equal(made[k], grads[k]) for k in made):
+                return set(case[2])
+    return set()
+
+
+def wrong_endless(grads, dim_names):  # a generator that never ends
+    def names():
+        while True:
+            yield dim_names[0]
+    return names()
+
+
+def wrong_string(grads, dim_names):
+    return ",".join(sorted(right_pairs(grads, dim_names)))
+
+
+NEW_WRONG_REDUCTION = {
+    wrong_allclose_defaults: "allclose's 1e-8",
+    wrong_sums: "a sum or one element",
+    wrong_first_element: "a sum or one element",
+    wrong_elementwise_relative: "divides 0 by 0",
+    wrong_two_dims_only: "every dimension",
+    wrong_eps_tolerance: "only differs by rounding",
+    wrong_half_precision: "missing reductions ['pp']",
+    wrong_cached_by_names: "differ only by rounding",
+    wrong_in_place: "differ only by rounding",
+    wrong_std_absolute: "differ only by rounding",
+    wrong_reads_frames: "reads the checker",
+    wrong_replays_cases: "reads the checker",
+    wrong_endless: "never ends",
+    wrong_string: "a set of dimension names",
+}
+
+
+def right_float64_norms(grads, dim_names):
+    eps = {torch.float32: 1e-4, torch.float64: 1e-10}[next(iter(grads.values())).dtype]
+    wide = {c: t.double() for c, t in grads.items()}
+    return _one_apart(wide, dim_names,
+                      lambda a, b: (a - b).norm() <= eps * max(a.norm(), b.norm()))
+
+
+def right_spread(grads, dim_names):
+    coords = sorted(grads)
+    shape = tuple(max(c[i] for c in coords) + 1 for i in range(len(dim_names)))
+    x = torch.stack([grads[c] for c in coords]).reshape(*shape, -1).double()
+    tol = 1000 * torch.finfo(grads[coords[0]].dtype).eps * x.abs().max()
+    return {n for d, n in enumerate(dim_names)
+            if (x.amax(d) - x.amin(d)).abs().max() > tol}
+
+
+class RightCallable:
+    def __init__(self, rtol=1e-3):
+        self.rtol = rtol
+
+    def __call__(self, grads, dim_names):
+        names = list(dim_names)
+        return {names[d] for d in range(len(names)) for c in grads for c2 in grads
+                if sum(a != b for a, b in zip(c, c2, strict=True)) == 1
+                and c[d] != c2[d]
+                and not torch.allclose(grads[c], grads[c2], rtol=self.rtol,
+                                       atol=self.rtol * grads[c].abs().max().item())}
+
+
+def right_numpy_frozenset(grads, dim_names):
+    arr = {c: t.numpy() for c, t in grads.items()}
+    return frozenset(n for d, n in enumerate(dim_names) for c in arr
+                     if not np.allclose(arr[c], arr[c[:d] + (0,) + c[d + 1:]],
+                                        rtol=1e-3, atol=1e-3 * np.abs(arr[c]).max()))
+
+
+def right_sorted_list(grads, dim_names):  # a list, with repeats
+    return [n for d, n in enumerate(dim_names) for c in grads
+            if c[d] and not torch.allclose(grads[c], grads[c[:d] + (0,) + c[d + 1:]],
+                                           rtol=1e-3, atol=0)]
+
+
+def right_lazy(grads, dim_names):  # a generator that ends
+    return (n for n in RightCallable(2e-3)(grads, dim_names))
+
+
+NEW_RIGHT_REDUCTION = [right_float64_norms, right_spread, RightCallable(),
+                       right_numpy_frozenset, right_sorted_list, right_lazy]
+
+
+def _judge_checked(fn):
+    ch13._refuse_peeking("13.3", fn)
+    _judge_all_reductions(fn)
+
+
+@pytest.mark.parametrize("fn", NEW_RIGHT_REDUCTION,
+                         ids=lambda f: getattr(f, "__name__", "cls"))
+def test_reduction_new_right_answers_pass(fn):
+    _judge_checked(fn)
+
+
+@pytest.mark.parametrize("fn", list(NEW_WRONG_REDUCTION), ids=lambda f: f.__name__)
+def test_reduction_new_wrong_answers_fail(fn, monkeypatch):
+    monkeypatch.setitem(ch13.LIMIT_S, "13.3", 2)
+    _BY_NAMES.clear()
+    msg = rejected(_judge_checked, fn)
+    assert NEW_WRONG_REDUCTION[fn] in msg, msg

@@ -20,8 +20,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import signal
+import threading
+import types
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,97 @@ from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import call_learner, fail, passed, require_solution
 
 TIMEOUT_S = 240  # 4 ranks on 2 cores, DTensor and pipelining: slow on a busy machine
+
+
+LIMIT_S = {"13.2": 60, "13.3": 20}  # seconds one call of the learner's may take
+
+# What an answer that reads the checker instead of the gradients would name.
+_PEEKING = ("_getframe", "currentframe", "f_locals", "f_back", "f_globals",
+            "inspect", "ch13", "course_utils.checks", "REDUCTION_CASES",
+            "LAYOUT_CASES", "STAGE_CASES", "make_gradients", "expected_layout")
+
+
+def _names(obj, seen=None) -> set:
+    """Every name and string constant in the code of ``obj`` (a function, a
+    callable object or a class), nested functions and methods included."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return set()
+    seen.add(id(obj))
+    out = set()
+    if isinstance(obj, types.CodeType):
+        out |= set(obj.co_names)
+        for c in obj.co_consts:
+            if isinstance(c, str):
+                out.add(c)
+            elif isinstance(c, types.CodeType):
+                out |= _names(c, seen)
+        return out
+    if isinstance(obj, (types.FunctionType, types.MethodType)):
+        fn = getattr(obj, "__func__", obj)
+        out |= _names(fn.__code__, seen)
+        for cell in fn.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if callable(value):
+                out |= _names(value, seen)
+        return out
+    cls = obj if isinstance(obj, type) else type(obj)
+    if cls.__module__ in ("builtins", "functools") or cls.__module__.startswith(
+            ("torch", "numpy", "course_utils")):
+        return out
+    for value in vars(cls).values():
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if isinstance(value, (types.FunctionType, types.CodeType)):
+            out |= _names(value, seen)
+    return out
+
+
+def _refuse_peeking(ex: str, fn) -> None:
+    """Fail an answer whose code reads the checker's cases or its frames."""
+    found = sorted(n for n in _names(fn)
+                   if n in _PEEKING or "course_utils.checks" in n)
+    if found:
+        fail(ex, "an answer computed from its arguments",
+             f"code that reads the checker ({', '.join(found[:3])})",
+             "work from the arguments only, not the checker's cases or frames")
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Raise TimeoutError in this thread after ``seconds`` (main thread, POSIX)."""
+    if not (hasattr(signal, "setitimer")
+            and threading.current_thread() is threading.main_thread()):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _call(ex: str, fn, *args, convert=None):
+    """The learner's function (and ``convert`` of its result, which may walk a
+    lazy iterator) within LIMIT_S[ex] seconds, its failures made friendly."""
+    def body():
+        got = fn(*args)
+        return convert(got) if convert else got
+
+    body.__name__ = getattr(fn, "__name__", "your function")
+    with _time_limit(LIMIT_S[ex]):
+        return call_learner(ex, body, hints={
+            "took longer than": "your function did not return: look for a loop "
+                                "or an iterator that never ends"})
 
 
 def _error(e: Exception) -> str:
@@ -356,7 +451,10 @@ def check_choose_layout(choose_layout: Callable) -> None:
 
 # ---------------------------------------------------------------- exercise 13.3
 
-# (mesh shape, names, missing dims, dtype, scale, seed)
+# (mesh shape, names, missing dims, dtype, scale, seed[, parameter]): the
+# parameter is a linear layer's weight unless named; an output bias's gradient
+# sums to zero on every rank (cross-entropy), an embedding's has exact zeros
+# (rows of tokens no shard saw, row 0 among them)
 REDUCTION_CASES = (
     ((2, 2), ("dp", "tp"), {"dp"}, torch.float32, 1.0, 0),
     ((2, 2), ("dp", "tp"), set(), torch.float32, 1e6, 1),
@@ -366,7 +464,30 @@ REDUCTION_CASES = (
     ((2, 2, 2), ("pp", "dp", "tp"), {"pp"}, torch.float32, 3e4, 5),
     ((5,), ("dp",), {"dp"}, torch.float32, 1.0, 6),
     ((3, 2), ("dp", "tp"), set(), torch.float32, 1e-6, 7),
+    ((2, 2), ("dp", "tp"), {"tp"}, torch.float64, 1e-12, 8),
+    ((2, 3), ("dp", "cp"), {"dp"}, torch.float32, 1.0, 9, "bias"),
+    ((2, 2), ("dp", "tp"), {"tp"}, torch.float32, 1.0, 10, "embedding"),
+    ((3, 2), ("dp", "tp"), set(), torch.float64, 1e3, 11, "embedding"),
 )
+
+
+def _shard_gradient(kind, w, g, dtype, scale):
+    """One rank's gradient of ``w`` on its own shard of the batch, by autograd."""
+    wc = w.clone().requires_grad_()
+    if kind == "bias":  # an output layer's bias under cross-entropy
+        logits = torch.randn(3, w.numel(), generator=g, dtype=dtype) * 3 + wc
+        targets = torch.randint(0, w.numel(), (3,), generator=g)
+        (scale * F.cross_entropy(logits, targets)).backward()
+    elif kind == "embedding":  # tokens 2.. only: rows 0 and 1 stay zero
+        tokens = torch.randint(2, w.shape[0], (4,), generator=g)
+        y = torch.randn(4, w.shape[1], generator=g, dtype=dtype) * scale
+        F.mse_loss(F.embedding(tokens, wc), y).backward()
+    else:
+        x = torch.randn(3, 7, generator=g, dtype=dtype) * (1 + 9 * torch.rand(
+            1, generator=g).item())
+        y = torch.randn(3, 5, generator=g, dtype=dtype) * scale
+        F.mse_loss(x @ wc.t(), y).backward()
+    return wc.grad
 
 
 def make_gradients(case) -> dict[tuple, torch.Tensor]:
@@ -377,18 +498,13 @@ def make_gradients(case) -> dict[tuple, torch.Tensor]:
     the shards it did reduce, computed in its own order (so rounding
     differs); a correct rank holds the mean over all shards.
     """
-    shape, names, missing, dtype, scale, seed = case
+    shape, names, missing, dtype, scale, seed = case[:6]
+    kind = case[6] if len(case) > 6 else "linear"
     g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(5, 7, generator=g, dtype=torch.float64) * scale).to(dtype)
+    size = {"bias": (6,), "embedding": (9, 4)}.get(kind, (5, 7))
+    w = (torch.randn(*size, generator=g, dtype=torch.float64) * scale).to(dtype)
     coords = list(itertools.product(*(range(s) for s in shape)))
-    shards = {}
-    for c in coords:
-        x = torch.randn(3, 7, generator=g, dtype=dtype) * (1 + 9 * torch.rand(
-            1, generator=g).item())
-        y = torch.randn(3, 5, generator=g, dtype=dtype) * scale
-        wc = w.clone().requires_grad_()
-        F.mse_loss(x @ wc.t(), y).backward()
-        shards[c] = wc.grad
+    shards = {c: _shard_gradient(kind, w, g, dtype, scale) for c in coords}
     kept = [i for i, n in enumerate(names) if n in missing]
     out = {}
     for c in coords:
@@ -405,11 +521,13 @@ def make_gradients(case) -> dict[tuple, torch.Tensor]:
 
 def judge_reduction(case, got) -> None:
     ex = "13.3"
-    shape, names, missing, dtype, scale, _ = case
-    where = (f"mesh {shape} {names}, {str(dtype).replace('torch.', '')} gradients "
-             f"of size about {scale:g}")
-    if isinstance(got, str) or not hasattr(got, "__iter__"):
-        fail(ex, f"a set of dimension names ({where})", repr(got),
+    shape, names, missing, dtype, scale = case[:5]
+    kind = {"bias": "an output bias's ", "embedding": "an embedding's "}.get(
+        case[6] if len(case) > 6 else "", "")
+    where = (f"mesh {shape} {names}, {kind}{str(dtype).replace('torch.', '')} "
+             f"gradients of size about {scale:g}")
+    if isinstance(got, str) or not isinstance(got, (set, frozenset, list, tuple)):
+        fail(ex, f"a set of dimension names ({where})", repr(got)[:80],
              "return a set of names from dim_names, empty when nothing is missing")
     got = set(got)
     if got == missing:
@@ -417,14 +535,24 @@ def judge_reduction(case, got) -> None:
     if not got - set(names) and got > missing and not missing:
         hint = ("the ranks differ only by rounding here: compare with a tolerance "
                 "relative to the gradients' magnitude (float32 about 1e-6 of it)")
+    elif got > missing and kind:
+        hint = ("a dimension was flagged where ranks agree: an element-wise "
+                "relative error divides 0 by 0 where every rank's gradient is "
+                "exactly zero; compare with a tolerance relative to the largest "
+                "element")
     elif got > missing:
         hint = ("a dimension was flagged that only differs by rounding, or because "
                 "another dimension differs: compare ranks that differ in one "
                 "coordinate only, with a tolerance relative to the magnitude")
+    elif got < missing and kind:
+        hint = ("a real disagreement was missed: compare every element of the "
+                "gradients (a sum or one element can agree where the rest do "
+                "not), with a tolerance relative to the largest one")
     elif got < missing:
         hint = ("a real disagreement was missed: the tolerance must scale with the "
-                "gradients' size (an absolute 1e-6 hides gradients of size 1e-6), "
-                "and every dimension and coordinate must be compared")
+                "gradients' size (an absolute 1e-6, or allclose's 1e-8, hides "
+                "gradients of size 1e-9), and every dimension and coordinate must "
+                "be compared")
     else:
         hint = ("compare ranks that differ in exactly one mesh coordinate, for each "
                 "dimension in turn, and name the dimension by dim_names")
@@ -432,12 +560,26 @@ def judge_reduction(case, got) -> None:
          f"{sorted(got) if got else 'none'}", hint)
 
 
+def _as_names(got):
+    """The learner's answer as a set if it is a collection (an iterator is
+    walked here, inside the time limit), else as given."""
+    if isinstance(got, str) or not hasattr(got, "__iter__"):
+        return got
+    return set(got) if not isinstance(got, (set, frozenset, list, tuple)) else got
+
+
+def answer_reductions(fn, case, grads):
+    """``fn``'s answer for ``case``: a fresh copy of the gradients, within the
+    time limit; an iterator is walked there."""
+    return _call("13.3", fn, {c: t.clone() for c, t in grads.items()},
+                 tuple(case[1]), convert=_as_names)
+
+
 def check_missing_reductions(missing_reductions: Callable) -> None:
     require_solution("13.3", missing_reductions)
+    _refuse_peeking("13.3", missing_reductions)
     for case in REDUCTION_CASES:
         grads = make_gradients(case)
         for _ in range(2):  # twice, with the same dict: nothing may carry over
-            got = call_learner("13.3", missing_reductions,
-                               {c: t.clone() for c, t in grads.items()}, case[1])
-            judge_reduction(case, got)
+            judge_reduction(case, answer_reductions(missing_reductions, case, grads))
     passed("13.3", "every missing reduction found, none invented.")
