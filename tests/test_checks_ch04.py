@@ -599,7 +599,13 @@ def test_wrong_busy_cores_fail():
     fails(ch04.check_predict_busy_cores, list_not_dict, "a dict")
     fails(ch04.check_predict_busy_cores, missing_one, "missing")
     fails(ch04.check_predict_busy_cores, percent, "never more than the cores")
+    def lazy_for_ever(cores):  # a generator: the check reads it inside its timeout
+        while True:
+            time.sleep(0.5)
+            yield (NAMES[0], 1)
+
     fails(ch04.check_predict_busy_cores, text_values, "a number")
+    fails(ch04.check_predict_busy_cores, lazy_for_ever, "finish within")
 
 
 def test_busy_cores_measured_beside_the_prediction(capsys):

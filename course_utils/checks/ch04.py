@@ -21,6 +21,8 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 import psutil
@@ -73,7 +75,10 @@ def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S):
 
     def target():
         try:
-            out["value"] = fn(*args)
+            value = fn(*args)
+            # a lazy iterator runs the learner's code when read: read it here
+            out["value"] = (list(islice(value, 10_000)) if isinstance(value, Iterator)
+                            else value)
         except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
             out["error"] = e
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Iterator
+from itertools import islice
 
 import torch
 from torch import nn
@@ -42,7 +44,10 @@ def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S, raw: bool = False):
     def target():
         _CALLER[:] = [threading.get_ident()]
         try:
-            out["value"] = fn(*args) if raw else call_learner(ex, fn, *args)
+            value = fn(*args) if raw else call_learner(ex, fn, *args)
+            # a lazy iterator runs the learner's code when read: read it here
+            out["value"] = (list(islice(value, 10_000)) if isinstance(value, Iterator)
+                            else value)
         except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
             out["error"] = e
 
