@@ -30,7 +30,8 @@
 # - What `torch.compile` changes in a training step, and why its first step
 #   is slow.
 #
-# **Hardware.** Every tool here runs on CPU ranks joined by `gloo`: the
+# **Hardware.** Every tool here runs on CPU ranks joined by `gloo` (the
+# profiled DDP run uses `nccl` when there is a GPU per rank): the
 # traces, the flight recorder, the restarts and the checkpoints are real. The
 # GPU-only tools (CUDA kernels in traces, the CUDA allocator's memory
 # snapshots) are shown as code that runs when a GPU is present, and GPU
@@ -130,7 +131,8 @@ for r, path in files.items():
 # rank 0's table, `gloo:all_reduce` is the communication itself (it runs on
 # gloo's own threads, so its self time on the main thread is 0) and
 # `c10d::allreduce_` is the call on the main thread that hands a bucket to
-# them. Only the first can hide behind the backward.
+# them. Only the first can hide behind the backward. (Over `nccl` the
+# names are `nccl:all_reduce` and its kernels, `ncclDevKernel_AllReduce...`.)
 
 # %%
 print(results[0].value)
@@ -149,6 +151,8 @@ print(results[0].value)
 # %%
 merged = traces.merge_traces(files)
 traces.save_trace(merged, f"{WORK}/merged.json")  # open it in Perfetto
+# with CUDA, every record_function span is repeated on the GPU's stream rows
+merged = [e for e in merged if e.get("cat") != "gpu_user_annotation"]
 comm_name = next((n for n in ("gloo:all_reduce", "nccl:all_reduce")
                   if traces.spans(merged, name=n)), "gloo:all_reduce")
 rows, verdicts = [], []
