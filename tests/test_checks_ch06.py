@@ -431,8 +431,102 @@ def ring_two_ranks_only(tensor):  # a hard-coded world size of 2
             parts[r % 2].copy_(box)
 
 
+def ring_send_thread(tensor):  # blocking send in a thread, recv in the caller's
+    import threading
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = tensor.view(-1).tensor_split(n)
+    for step in range(2 * (n - 1)):
+        out, into = parts[(r - step) % n], parts[(r - step - 1) % n]
+        box = torch.empty_like(into)
+        sender = threading.Thread(target=dist.send, args=(out.clone(), (r + 1) % n))
+        sender.start()
+        dist.recv(box, (r - 1) % n)
+        sender.join()
+        if step < n - 1:
+            into.add_(box)
+        else:
+            into.copy_(box)
+
+
+def ring_tagged_new_buffers(tensor):  # tags, P2POp batches, new tensors per step
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = list(tensor.flatten().clone().tensor_split(n))
+    for step in range(2 * n - 2):
+        s_i, r_i = (r - step) % n, (r - step - 1) % n
+        box = parts[r_i].new_zeros(parts[r_i].shape)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, parts[s_i].contiguous(), (r + 1) % n, tag=step),
+            dist.P2POp(dist.irecv, box, (r - 1) % n, tag=step)])
+        for w in works:
+            w.wait()
+        parts[r_i] = parts[r_i] + box if step < n - 1 else box.clone()
+    tensor.copy_(torch.cat(parts).reshape(tensor.shape))
+
+
+def ring_functional_sum_dummy_messages(tensor):  # the sum from another API
+    import torch.distributed._functional_collectives as funcol
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    total = funcol.all_reduce(tensor, "sum", dist.group.WORLD)
+    parts = tensor.view(-1).tensor_split(n)
+    for step in range(2 * (n - 1)):  # messages of the right count and sizes
+        box = torch.empty_like(parts[(r - step - 1) % n])
+        req = dist.irecv(box, (r - 1) % n)
+        dist.isend(parts[(r - step) % n].clone(), (r + 1) % n).wait()
+        req.wait()
+    tensor.copy_(total)
+
+
+def ring_hidden_sum_dummy_messages(tensor):  # dispatch modes off, then the sum
+    import torch.distributed._functional_collectives as funcol
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        total = funcol.wait_tensor(funcol.all_reduce(tensor, "sum", dist.group.WORLD))
+    n, r = dist.get_world_size(), dist.get_rank()
+    parts = tensor.view(-1).tensor_split(n)
+    for step in range(2 * (n - 1)):  # the rank's own chunks, not the ring's sums
+        box = torch.empty_like(parts[(r - step - 1) % n])
+        req = dist.irecv(box, (r - 1) % n)
+        dist.isend(parts[(r - step) % n].clone(), (r + 1) % n).wait()
+        req.wait()
+    tensor.copy_(total)
+
+
+def ring_store_sum_dummy_messages(tensor):  # the sum through the rendezvous store
+    import pickle
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    key = f"t{tensor.numel()}{tensor.dtype}"
+    store.set(f"{key}/{r}", pickle.dumps(tensor.clone()))
+    total = sum(pickle.loads(store.get(f"{key}/{q}")) for q in range(n))
+    parts = tensor.view(-1).tensor_split(n)
+    for step in range(2 * (n - 1)):
+        box = torch.empty_like(parts[(r - step - 1) % n])
+        req = dist.irecv(box, (r - 1) % n)
+        dist.isend(torch.zeros_like(parts[(r - step) % n]), (r + 1) % n).wait()
+        req.wait()
+    tensor.copy_(total)
+
+
+def ring_process_group_method(tensor):  # the ProcessGroup's own allreduce
+    ring_parity(tensor.clone())
+    dist.distributed_c10d._get_default_group().allreduce([tensor]).wait()
+
+
+def ring_all_gather_into_tensor(tensor):  # all_gather_into_tensor, then a local sum
+    n = dist.get_world_size()
+    flat = tensor.reshape(-1)
+    everyone = flat.new_empty(n * flat.numel())
+    dist.all_gather_into_tensor(everyone, flat)
+    tensor.copy_(everyone.view(n, -1).sum(0).view_as(tensor))
+
+
 @pytest.mark.parametrize("fn", [ring_parity, ring_leftwards, RingAllReduce(),
-                                ring_with_barriers, ring_recursive_index])
+                                ring_with_barriers, ring_recursive_index,
+                                ring_send_thread, ring_tagged_new_buffers])
 def test_ring_all_reduce_accepts(fn):
     check_ring_all_reduce(fn)
 
@@ -450,6 +544,11 @@ def test_ring_all_reduce_accepts(fn):
     (ring_gather_adds, ["only chunk(s)", "all-gather"]),
     (ring_via_rank_0, ["message(s)", "neighbour"]),
     (ring_cached_views, ["earlier call", "keep no views"]),
+    (ring_functional_sum_dummy_messages, ["send/recv", "_c10d_functional.all_reduce"]),
+    (ring_hidden_sum_dummy_messages, ["carry", "ring's sums"]),
+    (ring_store_sum_dummy_messages, ["carry", "ring's sums"]),
+    (ring_process_group_method, ["send/recv", "allreduce"]),
+    (ring_all_gather_into_tensor, ["send/recv", "allgather"]),
     (placeholder, ["placeholder"]),
 ])
 def test_ring_all_reduce_rejects(fn, words):

@@ -4,9 +4,11 @@ Each runs the learner's function in real processes with
 ``course_utils.dist.launch`` (functions defined in the notebook travel by
 value): 6.1 and 6.3 at world sizes 2 and 3, 6.2 at 2, 3 and 4. Each is judged
 by what the function does - the gradients it leaves, the sums and the
-messages each rank sends (counted at the process group, so any point-to-point
-API passes and any collective is seen), the weights every rank ends with -
-not by which names it calls.
+messages each rank sends (counted at the process group and by a dispatch mode,
+so any point-to-point API passes and a collective from any API is seen; and
+each message must carry the ring's partial or finished sums, so messages sent
+for show beside a sum got some other way fail), the weights every rank ends
+with - not by which names it calls.
 """
 
 from __future__ import annotations
@@ -204,29 +206,73 @@ def _ring_input(rank: int, case: int, shape, dtype) -> torch.Tensor:
     return torch.randint(-2**60, 2**60, shape, generator=g, dtype=dtype)
 
 
+# point-to-point ops, and those that carry no data, that a ring may use; any
+# other op of the distributed namespaces (dist.*, the functional collectives
+# of torch.distributed._functional_collectives, torch.ops.c10d.*) is a collective
+_P2P_OPS = {"send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_",
+            "wait_tensor", "_wrap_tensor_autograd"}
+_DIST_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional",
+                    "_c10d_functional_autograd"}
+
+
 def _ring_rank(rank: int, world_size: int, ring_all_reduce: Callable):
+    """Run the learner's ring on this rank's inputs, watching every message.
+
+    Each send and each collective is seen twice over: the ProcessGroup's
+    Python methods are wrapped (seen from any thread), and a TorchDispatchMode
+    sees every op of the distributed namespaces the learner's thread issues,
+    whatever API issues it (the functional collectives, torch.ops.c10d).
+    """
+    import threading
+
     import torch.distributed as dist
     from torch._C._distributed_c10d import ProcessGroup
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     cases = _ring_cases(world_size)
     inputs = [_ring_input(rank, i, *c) for i, c in enumerate(cases)]
     reference = [t.clone() for t in inputs]
     for t in reference:
         dist.all_reduce(t)  # what the ring must equal
-    sent: list[list[tuple[int, int]]] = []
+    sent: list[list[tuple[int, int, list[torch.Tensor]]]] = []
     called: list[str] = []
+    inside = threading.local()  # within a wrapper: the mode does not count twice
     saved = {name: getattr(ProcessGroup, name) for name in ("send", *_COLLECTIVES)
              if hasattr(ProcessGroup, name)}
 
+    def record(tensors, dst):
+        tensors = list(tensors)
+        sent[-1].append((int(dst), sum(t.numel() * t.element_size() for t in tensors),
+                         [t.detach().clone() for t in tensors]))
+
     def send(self, tensors, dst, *rest):
-        sent[-1].append((dst, sum(t.numel() * t.element_size() for t in tensors)))
-        return saved["send"](self, tensors, dst, *rest)
+        record(tensors, dst)
+        inside.on = True
+        try:
+            return saved["send"](self, tensors, dst, *rest)
+        finally:
+            inside.on = False
 
     def refuse(name):
         def collective(self, *args, **kwargs):
             called.append(name)
-            return saved[name](self, *args, **kwargs)
+            inside.on = True
+            try:
+                return saved[name](self, *args, **kwargs)
+            finally:
+                inside.on = False
         return collective
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            space, _, name = func._schema.name.partition("::")
+            if space in _DIST_NAMESPACES and not getattr(inside, "on", False):
+                if name == "send":
+                    record(args[0], args[2])
+                elif name not in _P2P_OPS:
+                    called.append(f"{space}.{name}")
+            return func(*args, **kwargs)
 
     results = []
     try:
@@ -238,7 +284,8 @@ def _ring_rank(rank: int, world_size: int, ring_all_reduce: Callable):
         for t in inputs:
             sent.append([])
             mine = t.clone()
-            out = ring_all_reduce(mine)
+            with Watch():
+                out = ring_all_reduce(mine)
             given.append(mine)
             results.append((mine.clone(), out.detach().clone()
                             if isinstance(out, torch.Tensor) else None))
@@ -294,6 +341,8 @@ def _judge_ring(ex: str, ranks: list, n: int) -> None:
                  "only passes the finished chunks round, without adding again")
         _judge_messages(ex, [r[3][i] for r in ranks], n, size,
                         ranks[0][0][i].element_size(), setting)
+        _judge_contents(ex, [r[3][i] for r in ranks], [r[0][i] for r in ranks],
+                        setting)
 
 
 def _matches(got: torch.Tensor, exact: torch.Tensor, sum_abs: torch.Tensor,
@@ -346,8 +395,8 @@ def _judge_messages(ex, sent, n, size, itemsize, setting) -> None:
     lo, hi = steps * (size // n) * itemsize, steps * -(-size // n) * itemsize
     nxt = {}
     for rank, messages in enumerate(sent):
-        peers = sorted({dst for dst, _ in messages})
-        total = sum(b for _, b in messages)
+        peers = sorted({dst for dst, _, _ in messages})
+        total = sum(b for _, b, _ in messages)
         if len(messages) != 2 * (n - 1) or len(peers) != 1:
             fail(ex, f"2(n - 1) = {2 * (n - 1)} messages per rank, all to one "
                  f"neighbour ({setting})",
@@ -368,6 +417,41 @@ def _judge_messages(ex, sent, n, size, itemsize, setting) -> None:
         fail(ex, f"the ranks to form one ring: each sends to its neighbour ({setting})",
              f"rank r sends to {nxt}", "send to (rank + 1) % n, receive from "
              "(rank - 1) % n")
+
+
+def _judge_contents(ex, sent, inputs, setting) -> None:
+    """Each message carries what a ring sends: at reduce-scatter step s, one
+    chunk summed over s + 1 neighbouring ranks ending (or, for a ring the
+    other way round, starting) at the sender; in the all-gather, a finished
+    chunk. Messages of anything else (zeros, a rank's own tensor again) carry
+    no part of the sum: the sum reached the ranks some other way."""
+    n = len(inputs)
+    wide = torch.float64 if inputs[0].dtype.is_floating_point else torch.int64
+    chunks = [x.to(wide).reshape(-1).tensor_split(n) for x in inputs]
+
+    def partial(c, members):
+        total = sum(chunks[q][c] for q in members)
+        return total, sum(chunks[q][c].abs() for q in members)
+
+    for rank, messages in enumerate(sent):
+        for k, (_, _, tensors) in enumerate(messages):
+            got = torch.cat([t.reshape(-1) for t in tensors])
+            if k < n - 1:
+                sets = [[(rank - j) % n for j in range(k + 1)],
+                        [(rank + j) % n for j in range(k + 1)]]
+            else:
+                sets = [list(range(n))]
+            if any(got.numel() == chunks[0][c].numel() and bool(
+                    _matches(got, *partial(c, m), n).all())
+                    for c in range(n) for m in sets):
+                continue
+            what = ("a chunk summed over the sender and the ranks before it"
+                    if k < n - 1 else "a finished chunk (summed over every rank)")
+            fail(ex, f"message {k + 1} of rank {rank} to carry {what} ({setting})",
+                 "other values: the messages do not carry the ring's sums",
+                 "send views of the tensor itself: at reduce-scatter step s, the "
+                 "chunk you have just added to; in the all-gather, the finished "
+                 "chunks. The sum must travel round the ring in these messages")
 
 
 def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
