@@ -691,9 +691,12 @@ for key in ("megatron_2019.scaling_efficiency_512_gpus",
 # al., 2022) took a 530B model from 42.1 % to 54.2 % model FLOPs
 # utilisation, against recomputing whole layers to fit.
 #
-# **On your GPUs.** With one GPU per rank the launches above ran over
-# `nccl`, and the same counts hold: the plan, not the device, decides the
-# collectives.
+# **On your GPUs.** A launch gets `nccl` when there is a GPU for each of its
+# ranks: with 2 GPUs the 2-rank launches ran over `nccl` and the 4-rank 2-D
+# one over `gloo` on the CPU; with 4 or more, all of them ran over `nccl`.
+# The counts are the same either way: the plan, not the device, decides the
+# collectives. The losses differ from one process by float rounding on
+# either.
 
 # %% [markdown]
 # ## Summary

@@ -362,10 +362,12 @@ for name in ranks[0]:
 # permuted memory layout (sequence before heads); `empty_like` keeps that
 # layout, and gloo writes what it receives in plain storage order
 # (pytorch/pytorch#192920, open in 2.13; the function is deprecated in
-# favour of the functional collectives). The functional collective
-# `all_gather_single_autograd` is exact. A distributed layer that only
-# compared losses, or the forward output, would never notice: compare the
-# gradients with one process, once, for each parallel layout.
+# favour of the functional collectives). Over `nccl` its backward is a real
+# reduce-scatter and both lines print "exact": the bug is the emulation's.
+# The functional collective `all_gather_single_autograd` is exact on both.
+# A distributed layer that only compared losses, or the forward output,
+# would never notice: compare the gradients with one process, once, for
+# each parallel layout.
 #
 # ## 4. Expert parallelism
 #
