@@ -488,3 +488,199 @@ def test_a_learner_that_never_returns_is_stopped(monkeypatch):
         time.sleep(3)
 
     assert "within" in failure(check_move_batch, move_forever)
+
+
+# Answers written by an adversary: new right ones, and wrong ones that passed or
+# crashed the checker before it was tightened.
+
+def _mover(tensor_fn, module_fn=lambda m, d: m.to(d)):
+    def move(b, d):
+        if isinstance(b, nn.Module):
+            return module_fn(b, d)
+        if isinstance(b, torch.Tensor):
+            return tensor_fn(b, d)
+        if isinstance(b, dict):
+            return {k: move(v, d) for k, v in b.items()}
+        if isinstance(b, tuple) and hasattr(b, "_fields"):
+            return type(b)(*[move(v, d) for v in b])
+        if isinstance(b, (list, tuple)):
+            return type(b)(move(v, d) for v in b)
+        return b
+    return move
+
+
+def _move_numbers_too(b, d):  # turns Python numbers into tensors
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        return torch.tensor(b, device=d)
+    if isinstance(b, dict):
+        return {k: _move_numbers_too(v, d) for k, v in b.items()}
+    if isinstance(b, tuple) and hasattr(b, "_fields"):
+        return type(b)(*[_move_numbers_too(v, d) for v in b])
+    if isinstance(b, (list, tuple)):
+        return type(b)(_move_numbers_too(v, d) for v in b)
+    return b.to(d) if isinstance(b, (torch.Tensor, nn.Module)) else b
+
+
+_CACHE: dict = {}
+
+
+def _move_cached(b, d):  # remembers the first result for each batch
+    if id(b) not in _CACHE:
+        _CACHE[id(b)] = _mover(lambda t, dd: t.to(dd))(b, d)
+    return _CACHE[id(b)]
+
+
+def _move_lazy_lists(b, d):  # lists come back as lazy map objects
+    if isinstance(b, (torch.Tensor, nn.Module)):
+        return b.to(d)
+    if isinstance(b, dict):
+        return {k: _move_lazy_lists(v, d) for k, v in b.items()}
+    if isinstance(b, tuple) and hasattr(b, "_fields"):
+        return type(b)(*[_move_lazy_lists(v, d) for v in b])
+    if isinstance(b, tuple):
+        return tuple(_move_lazy_lists(v, d) for v in b)
+    if isinstance(b, list):
+        return map(lambda v: _move_lazy_lists(v, d), b)
+    return b
+
+
+@pytest.mark.parametrize("solution", [
+    lambda b, d: b.to(d) if isinstance(b, nn.Module) else __import__(
+        "torch.utils._pytree", fromlist=["x"]).tree_map_only(
+        torch.Tensor, lambda t: t.to(d), b),
+    _mover(lambda t, d: t.detach().to(device=d, copy=True)),
+    _mover(lambda t, d: t.to(torch.device(str(d))).clone()),
+    _mover(lambda t, d: t.to(d), lambda m, d: m._apply(lambda t: t.to(d))),
+])
+def test_move_batch_accepts_more_correct(solution, capsys):
+    check_move_batch(solution)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (_mover(lambda t, d: t.to(d) if t.is_floating_point() else t),
+     "integer and bool tensors"),
+    (_mover(lambda t, d: torch.zeros_like(t, device=d)), "same values"),
+    (_mover(lambda t, d: t.reshape(-1).to(d)), "of shape"),
+    (_move_numbers_too, "do not turn it into a tensor"),
+    (_move_cached, "on cpu" if not torch.cuda.is_available() else "on cuda"),
+    (_move_lazy_lists, "a map"),
+    (_mover(lambda t, d: t.to("meta")), "to the device you are given"),
+])
+def test_move_batch_names_more_mistakes(mistake, words):
+    assert words in failure(check_move_batch, mistake)
+
+
+def _held(ts):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in ts}.values())
+
+
+_SEEN: set = set()
+
+
+def _held_global(ts):  # storages seen in earlier calls count 0
+    total = 0
+    for t in ts:
+        s = t.untyped_storage()
+        if s.data_ptr() not in _SEEN:
+            _SEEN.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def _held_max_extent(ts):  # only up to the furthest element used
+    ends: dict = {}
+    for t in ts:
+        k = t.untyped_storage().data_ptr()
+        end = (t.storage_offset() + t.numel()) * t.element_size()
+        ends[k] = max(ends.get(k, 0), end)
+    return sum(ends.values())
+
+
+@pytest.mark.parametrize("solution", [
+    lambda ts: float(_held(ts)),
+    lambda ts: sum({(t.data_ptr() - t.storage_offset() * t.element_size()):
+                    t.untyped_storage().nbytes() for t in ts}.values()),
+    lambda ts: torch.tensor([s.nbytes() for s in {
+        t.untyped_storage().data_ptr(): t.untyped_storage() for t in ts}.values()],
+        dtype=torch.float64).sum(),
+])
+def test_memory_held_accepts_more_correct(solution):
+    check_memory_held(solution)
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (lambda ts: _held(ts) / 1e6, "not kilobytes or megabytes"),
+    (lambda ts: _held(ts) + 0.6, "whole number of bytes"),
+    (_held_global, "count each storage once"),
+    (_held_max_extent, "not numel x element size"),
+    (lambda ts: sum(t.nbytes for t in ts), "shares its base"),
+    (lambda ts: sum({t.untyped_storage().data_ptr(): t.numel() * t.element_size()
+                     for t in ts}.values()), "3960 bytes"),
+    (lambda ts: 4000, "bytes for"),
+])
+def test_memory_held_names_more_mistakes(mistake, words):
+    assert words in failure(check_memory_held, mistake)
+
+
+class _RampFloat64Buffer(nn.Module):  # float32 x comes back as float64
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("r", torch.arange(n, dtype=torch.float64) / n)
+
+    def forward(self, x):
+        return x + self.r
+
+
+class _RampMadeOnFirstCall(nn.Module):  # kept as a plain attribute after call 1
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.r = n, None
+
+    def forward(self, x):
+        if self.r is None:
+            self.r = torch.arange(self.n, device=x.device, dtype=x.dtype) / self.n
+        return x + self.r
+
+
+class _RampHalfBuffer(nn.Module):  # the ramp rounded to float16
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("r", (torch.arange(n) / n).half())
+
+    def forward(self, x):
+        return x + self.r
+
+
+class _RampFrozenParameter(nn.Module):  # a Parameter nobody trains: allowed
+    def __init__(self, n):
+        super().__init__()
+        self.r = nn.Parameter(torch.arange(n) / n, requires_grad=False)
+
+    def forward(self, x):
+        return torch.add(x, self.r)
+
+
+class _RampNewTensor(nn.Module):  # made in forward with x.new_tensor
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return x + x.new_tensor(range(self.n)) / self.n
+
+
+@pytest.mark.parametrize("solution", [_RampFrozenParameter, _RampNewTensor])
+def test_add_ramp_accepts_more_correct(solution, capsys):
+    check_add_ramp(solution)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (_RampFloat64Buffer, "with x's dtype, torch.float32"),
+    (_RampMadeOnFirstCall, "plain attribute"),
+    (_RampHalfBuffer, "equal to the reference"),
+])
+def test_add_ramp_names_more_mistakes(mistake, words):
+    assert words in failure(check_add_ramp, mistake)

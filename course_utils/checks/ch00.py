@@ -110,11 +110,15 @@ def _compare(ex: str, got, src, device: torch.device, path: str = "") -> None:
                  f"{got!r:.60}", "move each tensor with .to(device) and keep it a "
                  "tensor")
         if not _same_place(got, device):
-            fail(ex, f"{where} on {device}", f"on {got.device}",
-                 "every tensor, however deep in the batch, goes to the device: "
-                 "walk into dicts, lists and tuples (recursion)" if
-                 path.count("[") > 1 else "move each tensor with .to(device), to "
-                 "the device you are given")
+            if path.count("[") > 1:
+                hint = ("every tensor, however deep in the batch, goes to the "
+                        "device: walk into dicts, lists and tuples (recursion)")
+            elif not src.is_floating_point():
+                hint = (f"integer and bool tensors (labels, masks) move too: this "
+                        f"one is {src.dtype}")
+            else:
+                hint = "move each tensor with .to(device), to the device you are given"
+            fail(ex, f"{where} on {device}", f"on {got.device}", hint)
         if got.dtype != src.dtype:
             fail(ex, f"{where} still {src.dtype}", f"{got.dtype}",
                  "move with .to(device) only: a dtype (or .float()) changes the "
@@ -149,9 +153,11 @@ def _compare(ex: str, got, src, device: torch.device, path: str = "") -> None:
         for i, (g, v) in enumerate(zip(got, src, strict=True)):
             _compare(ex, g, v, device, f"{path}[{i}]")
         return
-    if got is not src and got != src:
-        fail(ex, f"{where} = {src!r}, untouched", f"{got!r:.60}",
-             "leave what is not a tensor as it is")
+    if type(got) is not type(src) or (got is not src and got != src):
+        fail(ex, f"{where} = {src!r} ({type(src).__name__}), untouched",
+             f"a {type(got).__name__}: {got!r:.60}",
+             "leave what is not a tensor (numbers, strings, None) as it is: do "
+             "not turn it into a tensor")
 
 
 def check_move_batch(move_batch) -> None:
@@ -168,12 +174,13 @@ def check_move_batch(move_batch) -> None:
     ex = "0.1"
     g = torch.Generator().manual_seed(0)
     devices = [torch.device("meta"), try_gpu()]
-    for device in devices:
-        for batch in _batches(g):
+    for batch in _batches(g):  # each batch goes to every device: nothing cached
+        for device in devices:
             snap = _snapshot(batch)
             got = _guarded(ex, move_batch, batch, device, hints=HINTS)
             _unchanged(ex, batch, snap)
             _compare(ex, got, batch, device)
+    for device in devices:
         model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
         got = _guarded(ex, move_batch, model, device, hints=HINTS)
         if got is not model:
@@ -273,6 +280,10 @@ def check_memory_held(memory_held) -> None:
         check_type(ex, seen, (int, float, torch.Tensor), "memory_held's result")
         if isinstance(seen, torch.Tensor) and seen.numel() != 1:
             fail(ex, "one number of bytes", f"a tensor of shape {tuple(seen.shape)}")
+        if float(seen) != int(seen):
+            fail(ex, "a whole number of bytes", f"{float(seen):.6g}",
+                 "count bytes, not kilobytes or megabytes: storage.nbytes() "
+                 "is an integer")
         seen = int(seen)
         want = _storage_bytes(tensors)
         if seen == want:
@@ -353,6 +364,11 @@ def check_add_ramp(AddRamp) -> None:
         out = _guarded(ex, m, x, hints=RAMP_HINTS)
         check_type(ex, out, torch.Tensor, f"the output {where}")
         check_shape(ex, out, x.shape, f"the output {where}")
+        if out.dtype != x.dtype:
+            fail(ex, f"the output {where} with x's dtype, {x.dtype}",
+                 f"{out.dtype}", "x + ramp takes the wider of the two dtypes: "
+                 "make the ramp with the default dtype (or x's), or keep it in "
+                 "a buffer, which model.to(dtype) converts")
         if x.device.type != "meta" and not torch.equal(x, given):
             fail(ex, "the input x unchanged", "forward changed x in place",
                  "return x + ramp, a new tensor; x += ... writes into the "
@@ -401,6 +417,21 @@ def check_add_ramp(AddRamp) -> None:
                  hint="make the ramp on x's device, or keep it in a buffer")
     check_close(ex, out, _ramp(8, x), rtol=1e-5, atol=1e-6,
                 what=f"the output on {device}")
+    m = build(6)  # one module, used, then moved: nothing may stay behind
+    for to in (torch.float32, torch.float64, "meta"):
+        m = m.to(to)
+        dtype = torch.float64 if to == "meta" else to
+        x = torch.randn(2, 6, generator=g, dtype=dtype).to(
+            "meta" if to == "meta" else "cpu")
+        out = run(m, x, f"after a first call, then model.to({to!r})")
+        if out.device.type == "meta" or x.device.type == "meta":
+            check_device(ex, out, "meta", "the output for a meta x after a first "
+                         "call, then model.to('meta')", hint="a ramp made in the "
+                         "first forward and kept as a plain attribute stays where "
+                         "it was made: keep it in a buffer")
+        else:
+            check_close(ex, out, _ramp(6, x), rtol=1e-5, atol=1e-6,
+                        what=f"the output after a first call, then model.to({to})")
     passed(ex, f"It followed model.to() to meta, float16, float64 and {device}.")
 
 
