@@ -821,3 +821,325 @@ def test_reduction_new_wrong_answers_fail(fn, monkeypatch):
     _BY_NAMES.clear()
     msg = rejected(_judge_checked, fn)
     assert NEW_WRONG_REDUCTION[fn] in msg, msg
+
+
+# 13.2: more answers, written without reading the ones above.
+
+
+def _search(
+    model,
+    gpu,
+    n,
+    seq,
+    batch,
+    target,
+    cap=lambda g: 0.9e9 * reference.published(f"{g}.memory_gb").value,
+    tps=lambda b, s, t, n: b * s / t,
+    tps_=None,
+    tpmax=8,
+    ok=lambda m, lay, n, b: True,
+    step_batch=None,
+    mem_args=None,
+    key=None,
+    flags=((True, False), (False, True)),
+    pick=min,
+):
+    c = cap(gpu)
+    cands = []
+    for tp in range(1, tpmax + 1):
+        if n % tp or model.heads % tp:
+            continue
+        for pp in range(1, n // tp + 1):
+            if (n // tp) % pp or model.layers % pp:
+                continue
+            dp = n // (tp * pp)
+            if batch % dp or not ok(model, (dp, tp, pp), n, batch):
+                continue
+            for sh, rc in itertools.product(*flags):
+                lay = planner.Layout(dp, tp, pp, sharded=sh, recompute=rc)
+                m = planner.memory_per_gpu(
+                    model,
+                    lay,
+                    *(mem_args(seq, batch, dp) if mem_args else (seq, batch)),
+                )["total"]
+                if m > c:
+                    continue
+                t = planner.step_seconds(
+                    model, lay, gpu, seq, step_batch(batch, dp) if step_batch else batch
+                ).value
+                if tps(batch, seq, t, n) < target:
+                    continue
+                cands.append((key(t, m, lay) if key else t, lay))
+    return pick(cands, key=lambda x: x[0])[1] if cands else None
+
+
+def wrong_gib_units(model, gpu, n, seq, batch, target):
+    return _search(
+        model,
+        gpu,
+        n,
+        seq,
+        batch,
+        target,
+        cap=lambda g: 0.9 * 2**30 * reference.published(f"{g}.memory_gb").value,
+    )
+
+
+def wrong_all_memory(model, gpu, n, seq, batch, target):
+    return _search(
+        model,
+        gpu,
+        n,
+        seq,
+        batch,
+        target,
+        cap=lambda g: 1e9 * reference.published(f"{g}.memory_gb").value,
+    )
+
+
+def wrong_tokens_per_gpu(model, gpu, n, seq, batch, target):
+    return _search(
+        model, gpu, n, seq, batch, target, tps=lambda b, s, t, n: b * s / t / n
+    )
+
+
+def wrong_tp_across_nodes(model, gpu, n, seq, batch, target):
+    return _search(model, gpu, n, seq, batch, target, tpmax=n)
+
+
+def wrong_powers_of_two(model, gpu, n, seq, batch, target):
+    return _search(
+        model,
+        gpu,
+        n,
+        seq,
+        batch,
+        target,
+        ok=lambda m, lay, n, b: all(x & (x - 1) == 0 for x in lay),
+    )
+
+
+def wrong_replica_batch(model, gpu, n, seq, batch, target):
+    return _search(
+        model,
+        gpu,
+        n,
+        seq,
+        batch,
+        target,
+        step_batch=lambda b, dp: b // dp,
+        mem_args=lambda s, b, dp: (s, b // dp),
+    )
+
+
+def wrong_swapped_arguments(model, gpu, n, seq, batch, target):
+    return _search(model, gpu, n, seq, batch, target, mem_args=lambda s, b, dp: (b, s))
+
+
+def wrong_h100_memory(model, gpu, n, seq, batch, target):
+    return _search(model, gpu, n, seq, batch, target, cap=lambda g: 0.9 * 80e9)
+
+
+def wrong_least_memory_kept(model, gpu, n, seq, batch, target):  # least memory
+    return _search(model, gpu, n, seq, batch, target, key=lambda t, m, lay: m)
+
+
+def wrong_slowest(model, gpu, n, seq, batch, target):
+    return _search(model, gpu, n, seq, batch, target, pick=max)
+
+
+def wrong_ddp_only(model, gpu, n, seq, batch, target):
+    return _search(model, gpu, n, seq, batch, target, flags=((False,), (False, True)))
+
+
+def wrong_recompute_first(model, gpu, n, seq, batch, target):
+    return _search(
+        model,
+        gpu,
+        n,
+        seq,
+        batch,
+        target,
+        flags=((True, False), (True, False)),
+        key=lambda t, m, lay: (not lay.recompute, t),
+    )
+
+
+_BY_CLUSTER = {}
+
+
+def wrong_memo_by_cluster(model, gpu, n, seq, batch, target):
+    k = (gpu, n)
+    if k not in _BY_CLUSTER:
+        _BY_CLUSTER[k] = _search(model, gpu, n, seq, batch, target)
+    return _BY_CLUSTER[k]
+
+
+def wrong_dict(model, gpu, n, seq, batch, target):
+    lay = _search(model, gpu, n, seq, batch, target)
+    return None if lay is None else {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
+
+
+def wrong_endless_loop(model, gpu, n, seq, batch, target):
+    tp = 1
+    while tp <= n:
+        if n % tp:
+            continue
+        tp *= 2
+    return _search(model, gpu, n, seq, batch, target)
+
+
+def wrong_reads_expected(model, gpu, n, seq, batch, target):
+    from course_utils.checks.ch13 import expected_layout
+
+    b = expected_layout((model, gpu, n, seq, batch, target))
+    return b and b[1]
+
+
+def wrong_dp_not_dividing(model, gpu, n, seq, batch, target):
+    c = 0.9e9 * reference.published(f"{gpu}.memory_gb").value
+    best = None
+    for tp in (1, 2, 4, 8):
+        for pp in planner.divisors(n // tp if n % tp == 0 else 1):
+            if n % tp or model.layers % pp or model.heads % tp:
+                continue
+            dp = n // (tp * pp)
+            for sh in (True, False):
+                for rc in (False, True):
+                    lay = planner.Layout(dp, tp, pp, sharded=sh, recompute=rc)
+                    if planner.memory_per_gpu(model, lay, seq, batch)["total"] > c:
+                        continue
+                    t = planner.step_seconds(model, lay, gpu, seq, batch).value
+                    if batch * seq / t >= target and (best is None or t < best[0]):
+                        best = (t, lay)
+    return best and best[1]
+
+
+def wrong_micro_batch(model, gpu, n, seq, batch, target):
+    lay = _search(model, gpu, n, seq, batch, target)
+    return lay and planner.Layout(
+        lay.dp,
+        lay.tp,
+        lay.pp,
+        micro_batch=2,
+        sharded=lay.sharded,
+        recompute=lay.recompute,
+    )
+
+
+def wrong_tokens_per_step(
+    model, gpu, n, seq, batch, target
+):  # tokens per step not per second
+    return _search(model, gpu, n, seq, batch, target, tps=lambda b, s, t, n: b * s)
+
+
+class RightMemo:
+    def __init__(self):
+        self.cache = {}
+
+    def __call__(self, *a):
+        key = tuple(map(str, a))
+        if key not in self.cache:
+            self.cache[key] = _search(*a)
+        return self.cache[key]
+
+
+def right_planner_layouts(model, gpu, n, seq, batch, target):
+    cap = reference.published(f"{gpu}.memory_gb").value * 0.9e9
+    ok = []
+    for base in planner.layouts(model, n, batch):
+        for sh in (False, True):
+            for rc in (True, False):
+                lay = planner.Layout(
+                    base.dp, base.tp, base.pp, sharded=sh, recompute=rc
+                )
+                if planner.memory_per_gpu(model, lay, seq, batch)["total"] <= cap:
+                    t = planner.step_seconds(model, lay, gpu, seq, batch).value
+                    if seq * batch >= target * t:
+                        ok.append((t, lay))
+    ok.sort(key=lambda x: x[0])
+    return ok[0][1] if ok else None
+
+
+def right_sorted_generator(model, gpu, n, seq, batch, target):
+    def gen():
+        for tp in planner.divisors(min(n, 8)):
+            for pp in planner.divisors(n // tp) if n % tp == 0 else []:
+                dp = n // tp // pp
+                for sh in (1, 0):
+                    for rc in (0, 1):
+                        yield planner.Layout(dp, tp, pp, 1, bool(sh), bool(rc))
+
+    good = [
+        lay
+        for lay in gen()
+        if model.heads % lay.tp == 0
+        and model.layers % lay.pp == 0
+        and batch % lay.dp == 0
+        and planner.memory_per_gpu(model, lay, seq, batch)["total"] / 1e9
+        <= 0.9 * reference.published(gpu + ".memory_gb").value
+    ]
+    timed = sorted(
+        (
+            (planner.step_seconds(model, lay, gpu, seq, batch).value, i, lay)
+            for i, lay in enumerate(good)
+        )
+    )
+    timed = [x for x in timed if batch * seq / x[0] >= target]
+    return timed[0][2] if timed else None
+
+
+def right_with_plan_extra(model, gpu, n, seq, batch, target):
+    planner.plan(model, gpu, n, seq, batch)  # harmless extra work
+    return _search(model, gpu, n, seq, batch, float(target))
+
+
+NEW_WRONG_LAYOUT = {
+    wrong_gib_units: "fits 90 %",
+    wrong_all_memory: "fits 90 %",
+    wrong_tokens_per_gpu: "not per GPU",
+    wrong_tp_across_nodes: "tp at most 8",
+    wrong_powers_of_two: "try every tp, pp and dp",
+    wrong_replica_batch: "to run",
+    wrong_swapped_arguments: "fits 90 %",
+    wrong_h100_memory: "fits 90 %",
+    wrong_least_memory_kept: "the fastest layout",
+    wrong_slowest: "the fastest layout",
+    wrong_ddp_only: "FSDP (sharded=True) holds less",
+    wrong_recompute_first: "the fastest layout",
+    wrong_memo_by_cluster: "no layout fits",
+    wrong_dict: "a planner.Layout",
+    wrong_endless_loop: "never ends",
+    wrong_reads_expected: "reads the checker",
+    wrong_dp_not_dividing: "dp dividing 40",
+    wrong_micro_batch: "micro-batches of one",
+    wrong_tokens_per_step: "no layout fits and meets the target",
+}
+NEW_RIGHT_LAYOUT = [
+    RightMemo(),
+    right_planner_layouts,
+    right_sorted_generator,
+    right_with_plan_extra,
+]
+
+
+def _judge_layouts_called(fn):
+    ch13._refuse_peeking("13.2", fn)
+    for case in ch13.LAYOUT_CASES:
+        for _ in range(2):
+            ch13.judge_layout(case, ch13._call("13.2", fn, *case))
+
+
+@pytest.mark.parametrize(
+    "fn", NEW_RIGHT_LAYOUT, ids=lambda f: getattr(f, "__name__", "cls")
+)
+def test_layout_new_right_answers_pass(fn):
+    _judge_layouts_called(fn)
+
+
+@pytest.mark.parametrize("fn", list(NEW_WRONG_LAYOUT), ids=lambda f: f.__name__)
+def test_layout_new_wrong_answers_fail(fn, monkeypatch):
+    monkeypatch.setitem(ch13.LIMIT_S, "13.2", 2)
+    _BY_CLUSTER.clear()
+    msg = rejected(_judge_layouts_called, fn)
+    assert NEW_WRONG_LAYOUT[fn] in msg, msg

@@ -6,7 +6,9 @@
   (TP ranks adjacent), and that the blocks' weights really are sharded;
 - 13.2: a layout search (FSDP or DDP, recomputation or not) against the
   checker's exhaustive search, on several models, GPUs, GPU counts (24 too)
-  and throughput targets, some impossible;
+  and throughput targets, some impossible, one met by the whole cluster but
+  not per GPU; where a forbidden layout (tp 16, dp not dividing the batch)
+  would be fastest;
 - 13.3: a tool that names the mesh dimensions whose reduction is missing,
   on gradients made by autograd on different data shards, float32 and
   float64, tiny and huge magnitudes, 1-D to 3-D meshes, rounding noise.
@@ -359,6 +361,9 @@ LAYOUT_CASES = (
     (planner.LLAMA3_70B, "h100_pcie", 32, 4096, 128, 1.0e9),  # no layout is that fast
     (planner.LLAMA3_405B, "t4", 8, 2048, 8, 0.0),  # nothing fits
     (planner.LLAMA2_7B, "h100_sxm", 32, 2048, 24, 0.0),  # dp 16 and 32 not allowed
+    (planner.LLAMA2_7B, "h100_sxm", 64, 8192, 40, 0.0),  # dp 16 fastest, not allowed
+    (planner.LLAMA2_7B, "t4", 32, 8192, 24, 0.0),  # tp 16 fastest, not allowed
+    (planner.LLAMA3_8B, "t4", 16, 2048, 64, 4.0e3),  # met in all, not per GPU
 )
 
 
@@ -389,11 +394,14 @@ def judge_layout(case, got) -> None:
     if got is None:
         if best is None:
             return
+        fast = batch * seq / best[0]
         fail(ex, f"a layout ({where})", "None",
-             f"{best[1]} fits and is fast enough: try every tp, pp and dp, "
+             f"{best[1]} fits and makes {fast:.3g} tokens/s in all: the target is "
+             "the global batch's tokens per second, not per GPU" if fast / n < target
+             else f"{best[1]} fits and is fast enough: try every tp, pp and dp, "
              "sharded or not, and recompute=True when a layout does not fit "
              "without it")
-    if not all(hasattr(got, a) for a in ("dp", "tp", "pp")):
+    if not isinstance(got, planner.Layout):
         fail(ex, f"a planner.Layout ({where})", f"a {type(got).__name__}",
              "return planner.Layout(dp, tp, pp, sharded=..., recompute=...)")
     if best is None:
@@ -427,11 +435,14 @@ def judge_layout(case, got) -> None:
              f"{got}: {batch * seq / t:.3g}", "tokens per second = global batch x "
              "sequence / step time: drop layouts below the target")
     if t > best[0] * (1 + 1e-9):
-        if getattr(got, "sharded", True) and not best[1].sharded:
+        if got.recompute and not best[1].recompute:
+            hint = "recompute only where a layout does not fit without it"
+        elif got.sharded and not best[1].sharded:
             hint = ("replicating the training state (sharded=False, DDP) moves fewer "
                     "bytes than FSDP: where it fits, it is faster - search both")
-        elif getattr(got, "recompute", False) and not best[1].recompute:
-            hint = "recompute only where a layout does not fit without it"
+        elif not got.sharded and best[1].sharded:
+            hint = ("FSDP (sharded=True) holds less per GPU: where the replicated "
+                    "state does not fit, it is the faster choice - search both")
         else:
             hint = ("keep the layout with the shortest step time among all that fit, "
                     "not the first one found nor the one with the most room")
@@ -441,10 +452,10 @@ def judge_layout(case, got) -> None:
 
 def check_choose_layout(choose_layout: Callable) -> None:
     require_solution("13.2", choose_layout)
+    _refuse_peeking("13.2", choose_layout)
     for case in LAYOUT_CASES:
         for _ in range(2):  # twice: nothing may carry over between calls
-            got = call_learner("13.2", choose_layout, *case)
-            judge_layout(case, got)
+            judge_layout(case, _call("13.2", choose_layout, *case))
     passed("13.2", "the fastest layout that fits on every cluster, None where none "
            "does.")
 
