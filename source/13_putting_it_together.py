@@ -30,7 +30,7 @@
 #   a real model on a real cluster, cross-checked against a fake-tensor run.
 #
 # **Hardware.** Four ranks, each a real process, joined by `gloo` on the CPU
-# (or `nccl` with one GPU per rank when there are four GPUs): every loss,
+# (or `nccl` with one GPU per rank when there are four or more): every loss,
 # byte and collective below is measured. The planner's numbers for large
 # GPUs are labelled predictions from the course's calibrated models.
 
@@ -599,9 +599,12 @@ print("2 layers on 8 fake ranks, recomputed now: "
 # parameters, plus all-gather, reduce-scatter and temporary buffers that
 # the planner leaves out - the reason it asks for 10 % headroom.
 #
-# **On GPUs.** With four GPUs the launches above run over `nccl`, one GPU
-# per rank, and print the same counts and bytes: the layout decides them,
-# not the device.
+# **On GPUs.** With four GPUs or more the launches above run over `nccl`,
+# one GPU per rank (with fewer, the 4 ranks run on the CPU over `gloo`), and
+# print the same collective counts and training-state bytes: the layout
+# decides them, not the device. The saved activations can differ a little:
+# CUDA's attention kernels keep other tensors for the backward than the
+# CPU's.
 
 # %% [markdown]
 # ## Summary
