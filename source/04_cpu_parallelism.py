@@ -552,15 +552,24 @@ print(f"Python {sys.version.split()[0]}, {threading.active_count()} Python threa
 # a `Queue` item) is not pickled byte by byte. The sender moves its storage to
 # shared memory, in place, and the receiver maps the same memory. So the
 # copy costs nothing whatever the size, and a change the child makes in place
-# is seen by the parent. A spawned child, with the function from the module
-# above:
+# is seen by the parent. A forked child takes a tensor from a
+# `torch.multiprocessing` queue and adds one to it:
 
 # %%
 import torch.multiprocessing as tmp  # noqa: E402 - introduced here
 
+
+def add_one_from(tensors):
+    t = tensors.get(timeout=60)
+    t += 1  # in place, in the child
+
+
 counts = torch.zeros(4)
-child = tmp.get_context("spawn").Process(target=ch04_tasks.add_one_, args=(counts,))
+fork_ctx = tmp.get_context("fork")
+tensors = fork_ctx.Queue()
+child = fork_ctx.Process(target=add_one_from, args=(tensors,))
 child.start()
+tensors.put(counts)  # moves counts to shared memory; sends a handle to it
 child.join(timeout=60)
 print(f"after the child's `t += 1`, the parent reads {counts.tolist()} "
       f"(moved to shared memory: {counts.is_shared()})")
@@ -569,8 +578,9 @@ print(f"after the child's `t += 1`, the parent reads {counts.tolist()} "
 # CUDA tensors travel the same way (CUDA IPC: the child maps the parent's GPU
 # memory), with two rules from torch's documentation: the start method must
 # be spawn or forkserver (never fork, see above), and the sender must keep the
-# tensor alive for as long as the receiver uses it. With a GPU, the same
-# child adds one to a tensor in the parent's GPU memory:
+# tensor alive for as long as the receiver uses it. With a GPU, a spawned
+# child (running `add_one_` from the module above) adds one to a tensor in
+# the parent's GPU memory:
 
 # %%
 if torch.cuda.is_available():
@@ -619,21 +629,21 @@ finally:
 # CPU seconds it used, so the table's busy cores count them.
 
 # %%
-def matmul_task(_):
+def matmul_task(threads):
+    torch.set_num_threads(threads)
     a = torch.randn(384, 384)
     c0 = time.process_time()
-    for _ in range(20):
+    for _ in range(12):
         a @ a
     return time.process_time() - c0  # this worker's CPU seconds, all its threads
 
 
 fit = max(1, CORES // 2)
-with pool(2, threads=fit) as fitting, pool(2, threads=4 * fit) as crowded:
-    options = {f"2 processes x {fit} thread(s)": fitting,
-               f"2 processes x {4 * fit} threads": crowded}
-    oversubscribed = compare({label: lambda p=p: {"cpu_s": sum(
-        p.map_async(matmul_task, range(2)).get(timeout=60))}
-        for label, p in options.items()}, repeats=3)
+with pool(2, threads=4 * fit) as workers:
+    oversubscribed = compare({
+        f"2 processes x {k} thread(s)": lambda k=k: {"cpu_s": sum(
+            workers.map_async(matmul_task, [k, k], chunksize=1).get(timeout=60))}
+        for k in (fit, 4 * fit)}, repeats=3)
 print(oversubscribed)
 print({"slower": "oversubscribed: slower, the threads fought over the cores",
        "same": "no difference measured here at this size",
