@@ -216,8 +216,36 @@ def test_wrong_scaled_steps_fail():
 # ---------------------------------------------------------------- 8.2
 
 
-def recompute_torch(segment, x):  # another API: torch's own, not reentrant
+def recompute_torch(segment, x):  # torch's own, which the exercise rules out
     return checkpoint(segment, x, use_reentrant=False, preserve_rng_state=True)
+
+
+class _ForkRng(torch.autograd.Function):
+    """fork_rng around the recomputation; gradients only for inputs needing them."""
+
+    @staticmethod
+    def forward(ctx, x, segment, *params):
+        ctx.segment, ctx.state = segment, torch.random.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return segment(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.random.fork_rng(devices=[]):
+            torch.random.set_rng_state(ctx.state)
+            with torch.enable_grad():
+                xd = x.detach().requires_grad_(ctx.needs_input_grad[0])
+                out = ctx.segment(xd)
+        params = tuple(ctx.segment.parameters())
+        inputs = ((xd,) if xd.requires_grad else ()) + params
+        got = torch.autograd.grad(out, inputs, grad)
+        return ((got[0] if xd.requires_grad else None), None, *got[-len(params):])
+
+
+def recompute_fork_rng(segment, x):
+    return _ForkRng.apply(x, segment, *segment.parameters())
 
 
 class _AccumulateIntoGrad(torch.autograd.Function):
@@ -309,7 +337,7 @@ def recompute_functional(segment, x):
     return Fn.apply(x, *params.values())
 
 
-@pytest.mark.parametrize("fn", [recompute_torch, recompute_accumulate, Recomputer(),
+@pytest.mark.parametrize("fn", [recompute_fork_rng, recompute_accumulate, Recomputer(),
                                 recompute_hooks, recompute_functional])
 def test_right_recomputations_pass(fn):
     ch08.check_recompute(fn)
@@ -375,12 +403,13 @@ def test_wrong_recomputations_fail():
 
     def keeps_a_graph_too(segment, x):
         inner = segment(x)  # the activations stay held by inner's graph
-        return recompute_torch(segment, x) + 0 * inner
+        return recompute_fork_rng(segment, x) + 0 * inner
 
     check = ch08.check_recompute
     fails(check, plain, "ran once")
     fails(check, no_graph, "no graph")
-    fails(check, reentrant, "use_reentrant=True")
+    fails(check, reentrant, "torch.utils.checkpoint")
+    fails(check, recompute_torch, "torch.utils.checkpoint", "by hand")
     fails(check, float32_only, "float64")
     fails(check, keeps_a_graph_too, "ran 3 times")
     fails(check, _wrong_recompute(save_rng=False), "dropout masks")
@@ -816,3 +845,223 @@ def fmt_calls_reference(values, rel_error):  # returns what the check compares w
 ])
 def test_more_wrong_formats_fail(fn, words):
     fails(ch08.check_cheapest_format, fn, *words)
+
+
+# ------------------------------------------- 8.1-8.3: more answers, written anew
+
+
+def step_total_norm(model, optimizer, scaler, x, y, max_norm):  # 2.6+ clip helpers
+    for p in model.parameters():
+        p.grad = None
+    scaler.scale(((model(x) - y) ** 2).mean()).backward()
+    scaler.unscale_(optimizer)
+    grads = [p.grad for p in model.parameters()]
+    total = nn.utils.get_total_norm(grads, 2.0)
+    nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+class StepWithLoss:  # a class that also returns the unscaled loss
+    def __call__(self, model, optimizer, scaler, x, y, max_norm):
+        optimizer.zero_grad(set_to_none=True)
+        scaled = scaler.scale(nn.MSELoss()(model(x), y))
+        scaled.backward()
+        scaler.unscale_(optimizer)
+        clip(list(model.parameters()), max_norm=max_norm, norm_type=2, foreach=True)
+        scaler.step(optimizer)
+        scaler.update()
+        return scaled.detach() / scaler.get_scale()
+
+
+def _step_with(clip_fn):
+    def step(model, optimizer, scaler, x, y, max_norm):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.unscale_(optimizer)
+        clip_fn(model, max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+    return step
+
+
+def _clip_each(model, max_norm):
+    for p in model.parameters():
+        clip([p], max_norm)
+
+
+def step_float32_model(model, optimizer, scaler, x, y, max_norm):  # float32 only
+    model.float()
+    optimizer.zero_grad()
+    scaler.scale(nn.functional.mse_loss(model(x.float()), y.float())).backward()
+    scaler.unscale_(optimizer)
+    clip(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def step_own_inf_check(model, optimizer, scaler, x, y, max_norm):  # no update on skip
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    if not torch.isfinite(loss):
+        return
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    clip(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def step_calls_reference(model, optimizer, scaler, x, y, max_norm):
+    ch08._solution_step(model, optimizer, scaler, x, y, max_norm)
+
+
+@pytest.mark.parametrize("fn", [step_total_norm, StepWithLoss()])
+def test_more_right_scaled_steps_pass(fn):
+    ch08.check_scaled_step(fn)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_step_with(lambda m, n: nn.utils.clip_grad_value_(m.parameters(), n)),
+     ["element by element", "clip_grad_norm_"]),
+    (_step_with(_clip_each), ["on its own", "all gradients together"]),
+    (_step_with(lambda m, n: clip(m.parameters(), 1.0)), ["1.0", "max_norm you are"]),
+    (step_float32_model, ["still torch.float64", "keep the dtypes"]),
+    (step_own_inf_check, ["the scale", "halves the scale"]),
+    (step_calls_reference, ["reference answer"]),
+])
+def test_more_wrong_scaled_steps_fail(fn, words):
+    fails(ch08.check_scaled_step, fn, *words)
+
+
+def recompute_float32(segment, x):  # turns the segment to float32
+    return recompute_fork_rng(segment.float(), x.float())
+
+
+def recompute_calls_reference(segment, x):
+    return ch08._reference_recompute(segment, x)
+
+
+_first_states = {}
+
+
+def recompute_state_from_first_call(segment, x):  # random state kept across calls
+    first = _first_states.setdefault(id(segment), torch.get_rng_state())
+
+    class Kept(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, *params):
+            ctx.save_for_backward(inp)
+            with torch.no_grad():
+                return segment(inp)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (inp,) = ctx.saved_tensors
+            now = torch.get_rng_state()
+            torch.set_rng_state(first)
+            with torch.enable_grad():
+                i2 = inp.detach().requires_grad_()
+                out = segment(i2)
+            torch.set_rng_state(now)
+            return torch.autograd.grad(out, (i2, *segment.parameters()), grad)
+
+    return Kept.apply(x, *segment.parameters())
+
+
+@pytest.mark.parametrize("fn, words", [
+    (recompute_float32, ["still torch.float64", "own dtype"]),
+    (recompute_calls_reference, ["reference answer"]),
+    (recompute_state_from_first_call, ["dropout masks"]),
+])
+def test_more_wrong_recomputations_fail(fn, words):
+    fails(ch08.check_recompute, fn, *words)
+
+
+class OffloadWithOpen:  # a class; a counter kept across calls; open() and pathlib
+    def __init__(self):
+        self.n = itertools.count()
+
+    def __call__(self, fn, x, folder):
+        def pack(t):
+            path = pathlib.Path(folder) / f"saved-{os.getpid()}-{next(self.n)}.bin"
+            with open(path, "wb") as f:
+                torch.save(t.detach(), f)
+            return str(path)
+
+        def unpack(path):
+            with open(path, "rb") as f:
+                t = torch.load(f, weights_only=True)
+            pathlib.Path(path).unlink()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(x)
+
+
+def offload_pickle(fn, x, folder):  # pickle instead of torch.save
+    import pickle
+
+    def pack(t):
+        path = os.path.join(folder, uuid.uuid4().hex + ".pkl")
+        with open(path, "wb") as f:
+            pickle.dump(t.detach().clone(), f)
+        return path
+
+    def unpack(path):
+        with open(path, "rb") as f:
+            t = pickle.load(f)  # noqa: S301 - the file was written just above
+        os.unlink(path)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+
+
+def _offload_named(name_of, keep=False, save=lambda t: t, folder_of=None):
+    def offloaded(fn, x, folder):
+        kept = {}
+        where = folder_of() if folder_of else folder
+
+        def pack(t):
+            path = os.path.join(where, name_of(t))
+            torch.save(save(t), path)
+            if keep:
+                kept[path] = t
+            return path, t.dtype
+
+        def unpack(entry):
+            path, dtype = entry
+            t = kept.pop(path) if keep else torch.load(path).to(dtype)
+            os.remove(path)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(x)
+    return offloaded
+
+
+def _counter_per_call():  # names restart at 0 on every call
+    def offloaded(fn, x, folder):
+        counter = itertools.count()
+        return _offload_named(lambda t: f"{next(counter)}.pt")(fn, x, folder)
+    return offloaded
+
+
+@pytest.mark.parametrize("fn", [OffloadWithOpen(), offload_pickle])
+def test_more_right_offloads_pass(fn):
+    ch08.check_offloaded(fn)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_counter_per_call(), ["two forwards", "in this call or another"]),
+    (_offload_named(lambda t: uuid.uuid4().hex, keep=True), ["bytes left held",
+                                                           "no reference"]),
+    (_offload_named(lambda t: uuid.uuid4().hex,
+                    save=lambda t: t.half() if t.is_floating_point() else t),
+     ["on disk", "smaller copy"]),
+    (_offload_named(lambda t: uuid.uuid4().hex, folder_of=tempfile.mkdtemp),
+     ["an empty folder", "folder you are given"]),
+])
+def test_more_wrong_offloads_fail(fn, words):
+    fails(ch08.check_offloaded, fn, *words)

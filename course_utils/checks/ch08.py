@@ -108,6 +108,13 @@ def _variant_step(model, optimizer, x, y, max_norm, scale, variant):
             g /= scale
     if variant in ("sum loss", "leftover gradients"):
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if variant == "clip by value":
+        nn.utils.clip_grad_value_(model.parameters(), max_norm)
+    if variant == "clip each parameter":
+        for p in model.parameters():
+            nn.utils.clip_grad_norm_([p], max_norm)
+    if variant == "a fixed max_norm":
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
 
 
@@ -120,6 +127,13 @@ STEP_HINTS = {
     "leftover gradients": "the gradients of the earlier step were added to the new "
                           "ones: zero the old gradients first",
     "sum loss": "the loss is the mean squared error (mse_loss), not the sum",
+    "clip by value": "the gradients were clipped element by element (clip_grad_value_):"
+                     " clip their total norm to max_norm with clip_grad_norm_",
+    "clip each parameter": "each parameter's gradient was clipped on its own: clip "
+                           "the norm of all gradients together, one "
+                           "clip_grad_norm_(model.parameters(), max_norm)",
+    "a fixed max_norm": "the norm was clipped to 1.0: clip to the max_norm you are "
+                        "given",
 }
 
 
@@ -162,6 +176,8 @@ def _scaled_step_body(scaled_step) -> None:
         kw = {"init_scale": init_scale, "growth_interval": 2}
         s_ref, s_mine = torch.amp.GradScaler("cpu", **kw), torch.amp.GradScaler(
             "cpu", **kw)
+        # float64 steps agree to float64's rounding, not float32's
+        tol = (1e-9, 1e-12) if dtype == torch.float64 else (1e-4, 1e-6)
         for k, (x, y) in enumerate(_step_batches(dtype, mixed)):
             start = copy.deepcopy(mine.state_dict())
             old_grads = [None if p.grad is None else p.grad.clone()
@@ -191,6 +207,13 @@ def _scaled_step_body(scaled_step) -> None:
                 fail(ex, f"finite weights ({where})", "inf or nan in the weights",
                      "an inf or nan step must be skipped: let scaler.step(optimizer) "
                      "decide, it skips the step when the gradients are not finite")
+            changed = [(n, p.dtype) for n, p in mine.named_parameters()
+                       if p.dtype != dtype]
+            if changed:
+                fail(ex, f"the model's parameters still {dtype} ({where})",
+                     f"{changed[0][0]} is now {changed[0][1]}",
+                     "keep the dtypes of the model and the batch as they are: no "
+                     ".float() or .to(...) on the model or the inputs")
             skipped = s_ref.get_scale() < scale
             moved = any(not torch.equal(start[n], after[n]) for n in start)
             if skipped and moved:
@@ -200,7 +223,7 @@ def _scaled_step_body(scaled_step) -> None:
                      "the gradients are not finite (inf or nan)")
             for (name, p), q in zip(mine.named_parameters(), ref.parameters(),
                                     strict=True):
-                if _same(p, q, 1e-4, 1e-6):
+                if _same(p, q, *tol):
                     continue
                 hint = ("zero the old gradients, scaler.scale(loss).backward(), "
                         "scaler.unscale_(optimizer), clip, scaler.step(optimizer), "
@@ -216,7 +239,7 @@ def _scaled_step_body(scaled_step) -> None:
                     opt_t = torch.optim.SGD(trial.parameters(), lr=lr, momentum=0.9)
                     opt_t.load_state_dict(old_opt)
                     _variant_step(trial, opt_t, x, y, max_norm, scale, variant)
-                    if all(_same(a, b, 1e-4, 1e-6) for a, b in zip(
+                    if all(_same(a, b, *tol) for a, b in zip(
                             trial.parameters(), mine.parameters(), strict=True)):
                         hint = h
                         break
@@ -317,6 +340,34 @@ def _chain_step(forward, blocks, x, w, seed, ex=None):
     return h, grads, held, live.peak, [b[0].runs for b in blocks]
 
 
+class _CheckpointWatch:
+    """Notes whether torch.utils.checkpoint runs (either flavour) while the
+    learner's code does: the exercise builds recomputation by hand."""
+
+    def __enter__(self):
+        import torch.utils.checkpoint as cp
+
+        self.cp, self.used = cp, False
+        self.gen = cp._checkpoint_without_reentrant_generator
+        self.fwd = cp.CheckpointFunction.__dict__["forward"]
+
+        def gen(*args, **kwargs):
+            self.used = True
+            return self.gen(*args, **kwargs)
+
+        def fwd(*args, **kwargs):
+            self.used = True
+            return self.fwd.__func__(*args, **kwargs)
+
+        cp._checkpoint_without_reentrant_generator = gen
+        cp.CheckpointFunction.forward = staticmethod(fwd)
+        return self
+
+    def __exit__(self, *exc):
+        self.cp._checkpoint_without_reentrant_generator = self.gen
+        self.cp.CheckpointFunction.forward = self.fwd
+
+
 def _plain(b, h):
     return b(h)
 
@@ -363,9 +414,20 @@ def _recompute_body(recompute) -> None:
             rng_p = _plain_step.rng_after
             held_p, peak_p, held_r, peak_r = _baseline(blocks, x, w, seed)
             where = f"{what}, call {call}"
-            out, grads, held, peak, runs = _chain_step(recompute, blocks, x, w, seed,
-                                                       ex)
+            with _CheckpointWatch() as watch:
+                out, grads, held, peak, runs = _chain_step(recompute, blocks, x, w,
+                                                           seed, ex)
             rng = _chain_step.rng_after
+            kinds = {p.dtype for p in blocks.parameters()}
+            if kinds != {dtype}:
+                fail(ex, f"the blocks' parameters still {dtype} ({where})",
+                     f"{sorted(map(str, kinds))}", "keep the segment and the input "
+                     "in their own dtype: no .float() or .to(...) on them")
+            if watch.used:
+                fail(ex, f"recomputation built by hand ({where})",
+                     "torch.utils.checkpoint doing it",
+                     "write a torch.autograd.Function: forward under torch.no_grad() "
+                     "keeping only x, backward recomputing under torch.enable_grad()")
             if not isinstance(out, torch.Tensor) or not _same(out, out_p):
                 fail(ex, f"recompute(block, x) equal to block(x) ({where})",
                      "a different output" if isinstance(out, torch.Tensor) else
@@ -451,21 +513,22 @@ def check_recompute(recompute) -> None:
 # ---------------------------------------------------------------- exercise 8.3
 
 
-def _activation_bytes(model, x) -> tuple[int, int]:
+def _activation_bytes(model, x) -> tuple[int, int, int]:
     """Bytes autograd saves while model(x) runs, each storage once, parameters
-    left out; and how many such storages."""
+    left out; how many such storages; and how many tensors it packs in all."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held = {}
+    held, packs = {}, []
 
     def pack(t):
         s = t.untyped_storage()
+        packs.append(1)
         if s.data_ptr() not in params:
             held[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x)
-    return sum(held.values()), len(held)
+    return sum(held.values()), len(held), len(packs)
 
 
 def _folder_bytes(folder) -> tuple[int, int]:
@@ -504,7 +567,7 @@ def _offload_body(offloaded) -> None:
         sum((o * w).sum() for o in outs_p).backward()
         grads_p = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        saved, n_saved = _activation_bytes(model, xs[0])
+        saved, n_saved, n_packs = _activation_bytes(model, xs[0])
         out_bytes = outs_p[0].numel() * outs_p[0].element_size()
         with tempfile.TemporaryDirectory(prefix="ch08_check_") as folder:
             with LiveBytes() as live:
@@ -544,8 +607,11 @@ def _offload_body(offloaded) -> None:
             if disk1 < saved:
                 fail(ex, f"at least the {saved:,} bytes autograd saved, on disk "
                      f"({what})", f"{disk1:,} bytes in {n1} files",
-                     "save every tensor the pack hook receives, as it is (not a "
-                     "smaller copy)")
+                     f"{n_packs} tensors were packed but {n1} files remain: names "
+                     "that repeat overwrite each other (id(t) is reused once a "
+                     "tensor is freed): give every file a name no other pack uses"
+                     if n1 < n_packs else "save every tensor the pack hook "
+                     "receives, as it is (not a smaller copy)")
             if held > out_bytes + saved // 8:
                 fail(ex, f"at most {out_bytes + saved // 8:,} bytes left held by the "
                      f"forward: its output (LiveBytes; {saved:,} saved for backward "
