@@ -52,6 +52,19 @@ def chapter_sources(source_dir: Path = SOURCE_DIR) -> list[Path]:
     return sorted(p for p in source_dir.glob("*.py") if CHAPTER_RE.match(p.name))
 
 
+MAX_WORDS = 4500  # prose a learner reads in one sitting (markdown words)
+MAX_CODE_LINES = 700  # non-blank lines in code cells, exercises and checks included
+
+
+def chapter_length(source: Path) -> tuple[int, int]:
+    """``(markdown words, non-blank code lines)`` of a chapter source."""
+    nb = jupytext.read(source, fmt="py:percent")
+    words = sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    code = sum(1 for c in nb.cells if c.cell_type == "code"
+               for line in c.source.splitlines() if line.strip())
+    return words, code
+
+
 def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 

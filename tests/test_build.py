@@ -201,6 +201,13 @@ def test_the_gate_notebook_solves_each_exercise_after_its_check(tmp_path):
     assert len({c["id"] for c in nb["cells"]}) == len(nb["cells"])
 
 
+@pytest.mark.parametrize("source", build.chapter_sources(), ids=lambda p: p.stem)
+def test_a_chapter_is_read_in_one_sitting(source):
+    words, code = build.chapter_length(source)
+    assert words <= build.MAX_WORDS, f"{source.name}: {words} words of prose"
+    assert code <= build.MAX_CODE_LINES, f"{source.name}: {code} lines of code"
+
+
 def test_unbalanced_markers_are_refused():
     with pytest.raises(build.BuildError):
         build.stub_solutions("    ### BEGIN SOLUTION\n    x = 1\n", "7.1")
