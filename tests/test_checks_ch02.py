@@ -667,3 +667,143 @@ def test_a_learner_that_never_returns_is_stopped(check, monkeypatch):
         time.sleep(3)
 
     fails(check, forever, "within")
+
+
+# Answers written by an adversary: new right ones, and wrong ones that passed
+# before the checks were tightened (a constant or a cached result, state kept
+# between epochs, the rounds argument ignored).
+
+def _measure_np_float32(fn, sync):  # numpy's float32 is a number too
+    fn()
+    sync()
+    times = []
+    for _ in range(4):
+        start = clock()
+        fn()
+        sync()
+        times.append(clock() - start)
+    return np.float32(np.median(times))
+
+
+_KEPT: list = []
+
+
+def _measure_cached(fn, sync):  # measures once, then returns that for ever
+    if not _KEPT:
+        _KEPT.append(_measure_np_float32(fn, sync))
+    return _KEPT[0]
+
+
+def _measure_constant(fn, sync):  # runs the work, returns a guess
+    for _ in range(4):
+        fn()
+        sync()
+    return 0.012
+
+
+def _measure_no_final_sync(fn, sync):
+    fn()
+    sync()
+    start = clock()
+    for _ in range(5):
+        fn()
+    return (clock() - start) / 5
+
+
+def test_measure_accepts_numpy_float32(capsys):
+    check_measure(_measure_np_float32)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("measure, words", [
+    (_measure_cached, "nothing kept between calls"),
+    (_measure_constant, "exactly what the previous run returned"),
+    (_measure_no_final_sync, "only the time to QUEUE"),
+])
+def test_measure_names_more_mistakes(measure, words):
+    fails(check_measure, measure, words)
+
+
+_TOTAL = [0.0, 0]
+
+
+def _epoch_global_total(model, optimizer, batches, loss_fn):  # kept across calls
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        _TOTAL[0] = _TOTAL[0] + loss.detach()
+        _TOTAL[1] += 1
+    return (_TOTAL[0] / _TOTAL[1]).item()
+
+
+def _epoch_default_list(model, optimizer, batches, loss_fn, losses=[]):  # noqa: B006
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean().item()
+
+
+def _epoch_stack_float64(model, optimizer, batches, loss_fn):
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return float(torch.stack(losses).double().mean())
+
+
+def test_run_epoch_accepts_a_float64_mean(capsys):
+    check_run_epoch(_epoch_stack_float64)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("run_epoch", [_epoch_global_total, _epoch_default_list])
+def test_run_epoch_names_state_kept_between_calls(run_epoch, capsys):
+    fails(check_run_epoch, run_epoch, "the previous epoch's losses")
+
+
+def _events_fixed_rounds(stages, new_event, sync, rounds=5):  # ignores rounds
+    times = {n: [] for n, _ in stages}
+    for r in range(6):
+        events = [new_event() for _ in range(len(stages) + 1)]
+        events[0].record()
+        for (_, f), end in zip(stages, events[1:], strict=True):
+            f()
+            end.record()
+        sync()
+        if r:
+            for (n, _), a, b in zip(stages, events[:-1], events[1:], strict=True):
+                times[n].append(a.elapsed_time(b) / 1e3)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _events_poll_query(stages, new_event, sync, rounds=5):  # no sync: polls
+    times = {n: [] for n, _ in stages}
+    for r in range(rounds + 1):
+        events = [new_event() for _ in range(len(stages) + 1)]
+        events[0].record()
+        for (_, f), end in zip(stages, events[1:], strict=True):
+            f()
+            end.record()
+        while not events[-1].query():
+            time.sleep(0.001)
+        if r:
+            for (n, _), a, b in zip(stages, events[:-1], events[1:], strict=True):
+                times[n].append(a.elapsed_time(b) / 1e3)
+    return {n: min(v) for n, v in times.items()}
+
+
+def test_time_with_events_accepts_polling(capsys):
+    check_time_with_events(_events_poll_query)
+    assert "passed" in capsys.readouterr().out
+
+
+def test_time_with_events_names_ignored_rounds():
+    fails(check_time_with_events, _events_fixed_rounds, "use the rounds argument")

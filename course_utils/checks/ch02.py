@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import queue
 import random
 import statistics
@@ -202,6 +203,8 @@ def _judge_measure(ex: str, seconds, work, where: str) -> float:
         fail(ex, "seconds per call, as a float",
              f"a {type(seconds).__name__} object",
              "return a number, e.g. the .median of your timings")
+    if isinstance(seconds, numbers.Real) and not isinstance(seconds, bool):
+        seconds = float(seconds)  # numpy's float32 and the like are numbers too
     check_type(ex, seconds, (float, int), "measure's return value")
     durations = work.true_durations()
     calls = len(durations)
@@ -254,10 +257,26 @@ def _judge_measure(ex: str, seconds, work, where: str) -> float:
     raise AssertionError("unreachable")
 
 
-def _run_measure(ex: str, measure, work, where: str) -> float:
+def _run_measure(ex: str, measure, work, where: str, previous=None):
+    """Judge one call of ``measure``: (what it returned, the true time per call).
+
+    ``previous`` is what the call before returned: the same again is a constant.
+    """
     try:
-        seconds = _guarded(ex, measure, work.launch, work.sync)
-        return _judge_measure(ex, seconds, work, where)
+        def fn():  # plain functions: the learner sees no device object
+            work.launch()
+
+        def sync(*args, **kwargs):
+            work.sync()
+
+        seconds = _guarded(ex, measure, fn, sync)
+        if (isinstance(seconds, numbers.Real) and isinstance(previous, numbers.Real)
+                and float(seconds) == float(previous)):
+            fail(ex, f"a time measured {where}",
+                 f"{float(seconds) * 1e3:.4g} ms, exactly what the previous run "
+                 "returned, whose calls took another time",
+                 "measure in every call: no constant, nothing kept between calls")
+        return seconds, _judge_measure(ex, seconds, work, where)
     finally:
         work.close()
 
@@ -266,13 +285,15 @@ def check_measure(measure) -> None:
     """Exercise 2.1: ``measure(fn, sync)`` returns seconds per call of ``fn``."""
     ex = "2.1"
     require_solution(ex, measure)
+    previous = None
     for each in CALLS_S:
-        _run_measure(ex, measure, StandInDevice(each=each),
-                     f"on the stand-in device ({each * 1e3:.0f} ms of work per call)")
+        previous, _ = _run_measure(
+            ex, measure, StandInDevice(each=each),
+            f"on the stand-in device ({each * 1e3:.0f} ms of work per call)", previous)
     note = "the stand-in device timed right, at two costs per call"
     device = try_gpu()
     if device.type == "cuda":  # a real asynchronous workload as well
-        steady = _run_measure(ex, measure, CudaMatmulWork(device), "on the GPU")
+        _, steady = _run_measure(ex, measure, CudaMatmulWork(device), "on the GPU")
         note += f"; a GPU matmul timed at {steady * 1e3:.3g} ms per call (CUDA events)"
     passed(ex, note + ".")
 
@@ -360,14 +381,32 @@ def _reference_epoch(model, batches, lr):
 
 
 def check_run_epoch(run_epoch) -> None:
-    """Exercise 2.2: ``run_epoch(model, optimizer, batches, loss_fn) -> float``."""
+    """Exercise 2.2: ``run_epoch(model, optimizer, batches, loss_fn) -> float``.
+
+    Two epochs in a row on the same model and optimizer (the second with other
+    batches): nothing may be kept from one call to the next.
+    """
     ex = "2.2"
     require_solution(ex, run_epoch)
     device, lr = try_gpu(), 0.05
     model, batches = _setup(device)
     ref_model = copy.deepcopy(model)
-    expected = _reference_epoch(ref_model, batches, lr)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    earlier: list[float] = []
+    g = torch.Generator().manual_seed(1)
+    others = [(torch.randn(32, 16, generator=g, dtype=torch.float64).float().to(device),
+               torch.randn(32, 1, generator=g).to(device)) for _ in range(5)]
+    for epoch_batches in (batches, others):
+        expected = _reference_epoch(ref_model, epoch_batches, lr)
+        reads, most_alive = _one_epoch(ex, run_epoch, model, optimizer,
+                                       epoch_batches, ref_model, expected, earlier)
+        earlier.append(expected)
+    passed(ex, f"two epochs on {device}, {reads} read(s) by the host, "
+               f"at most {most_alive} graph(s) alive.")
+
+
+def _one_epoch(ex, run_epoch, model, optimizer, batches, ref_model, expected,
+               earlier):
     loss_fn = TaggedLoss()
     counter = CountHostReads()
 
@@ -407,11 +446,18 @@ def check_run_epoch(run_epoch) -> None:
              ".numpy() of a GPU tensor waits for the GPU: accumulate "
              "loss.detach() on the device and read it once at the end")
     check_type(ex, result, (float, int), "run_epoch's return value")
+    hint = "average the loss of every batch (each taken before its step)"
+    if earlier:
+        kept = (sum(earlier) * 8 + expected * steps) / (8 * len(earlier) + steps)
+        if abs(float(result) - kept) <= 1e-4 * abs(kept) or abs(
+                float(result) - (earlier[-1] + expected)) <= 1e-4 * abs(expected):
+            hint = ("this epoch's mean includes the previous epoch's losses: start "
+                    "the total afresh in every call (no global, no default "
+                    "argument that keeps it)")
+    which = " (the second call)" if earlier else ""
     check_close(ex, result, expected, rtol=1e-4, atol=1e-6,
-                what="the mean loss of the epoch",
-                hint="average the loss of every batch (each taken before its step)")
-    passed(ex, f"{steps} steps on {device}, {len(counter.reads)} read(s) by the host, "
-               f"at most {most_alive} graph(s) alive.")
+                what=f"the mean loss of the epoch{which}", hint=hint)
+    return len(counter.reads), most_alive
 
 
 # --- Exercise 2.3: time the stages of a pipeline with events ----------------------
@@ -614,12 +660,20 @@ def _judge_stages(ex: str, got, stream: StandInStream, names: list[str],
 
 
 def _run_stages(ex: str, time_with_events, names: list[str], seconds: list[float],
-                previous: dict | None = None) -> dict:
+                previous: dict | None = None, rounds: int | None = None) -> dict:
     stream = StandInStream()
     try:
         stages = [(n, stream.stage(n, t)) for n, t in zip(names, seconds, strict=True)]
+        more = () if rounds is None else (rounds,)
         got = _guarded(ex, time_with_events, stages, stream.new_event, stream.sync,
-                       hints=EVENT_HINTS)
+                       *more, hints=EVENT_HINTS)
+        runs = [e for e in stream.log if e.startswith("stage:")].count(
+            f"stage:{names[0]}")
+        if rounds is not None and not rounds <= runs <= rounds + 2:
+            fail(ex, f"with rounds={rounds}: each stage run {rounds + 1} times "
+                 "(one warm-up round, then the rounds asked for)",
+                 f"{runs} runs of stage {names[0]!r}",
+                 "use the rounds argument; do not fix the number of rounds")
         _judge_stages(ex, got, stream, names, previous)
         return {n: float(v.item() if isinstance(v, torch.Tensor) else v)
                 for n, v in got.items()}
@@ -646,7 +700,10 @@ def check_time_with_events(time_with_events) -> None:
     first = None
     for names in cases:
         seconds = [rng.uniform(0.006, 0.04) for _ in names]
+        rounds = 9 if len(names) == 2 else None  # and once, rounds given
         first = first or (names, _run_stages(ex, time_with_events, names, seconds))
+        if rounds is not None:
+            _run_stages(ex, time_with_events, names, seconds, rounds=rounds)
     names, previous = first
     seconds = [rng.uniform(0.006, 0.04) for _ in names]
     _run_stages(ex, time_with_events, names, seconds, previous)
