@@ -218,7 +218,7 @@ WRONG_STAGE = {
     wrong_ignores_tp: "pipeline stages", wrong_no_tp: "sharded",
     wrong_all_blocks: "exactly one stage", wrong_one_block_each: "exactly one stage",
     wrong_overlap: "exactly one stage", wrong_float32: "dtype",
-    wrong_cached_mesh: "pipeline stages", wrong_fresh_model: "one process",
+    wrong_cached_mesh: "pipeline stages", wrong_fresh_model: "given model's weights",
     wrong_two_stages: "pipeline stages",
 }
 
@@ -1143,3 +1143,156 @@ def test_layout_new_wrong_answers_fail(fn, monkeypatch):
     _BY_CLUSTER.clear()
     msg = rejected(_judge_layouts_called, fn)
     assert NEW_WRONG_LAYOUT[fn] in msg, msg
+
+
+# 13.1: more answers, written without reading the ones above (each runs to the
+# end on every rank: an answer that hangs one stage is judged by the launch's
+# timeout, which these tests do not wait for).
+
+def _cut(model, i, n):
+    names = list(model.layers)
+    per = len(names) // n
+    for k in names[:i * per] + names[(i + 1) * per:]:
+        del model.layers[k]
+    if i:
+        model.embed = None
+    if i != n - 1:
+        model.norm = None
+        model.head = None
+    return model
+
+
+def _pp_tp(tp):
+    return init_device_mesh("cpu", (dist.get_world_size() // tp, tp),
+                            mesh_dim_names=("pp", "tp"))
+
+
+def _partial_plan(model, tp, keys, blocks=None):
+    mesh = _pp_tp(tp)
+    i, n = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    stage = _cut(model, i, n)
+    for b in list(stage.layers.values())[:blocks]:
+        parallelize_module(b, mesh["tp"], {k: PLAN[k] for k in keys})
+    return PipelineStage(stage, i, n, "cpu", group=mesh["pp"].get_group())
+
+
+def right_wildcard_plan(model, tp):
+    mesh = _pp_tp(tp)
+    i, n = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    plan = {f"layers.*.{k}": style for k, style in PLAN.items()}
+    stage = parallelize_module(_cut(model, i, n), mesh["tp"], plan)
+    return PipelineStage(stage, i, n, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
+def right_deepcopy_per_linear(model, tp):
+    import copy
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = DeviceMesh("cpu", [[r + k for k in range(tp)] for r in range(0, world, tp)],
+                      mesh_dim_names=("pipe", "tensor"))
+    i, n = rank // tp, world // tp
+    stage = _cut(copy.deepcopy(model), i, n)
+    for b in stage.layers.values():
+        for lin in (b.attn.wq, b.attn.wk, b.attn.wv, b.mlp[0]):
+            parallelize_module(lin, mesh["tensor"], ColwiseParallel())
+        for lin in (b.attn.wo, b.mlp[2]):
+            parallelize_module(lin, mesh["tensor"], RowwiseParallel())
+    return PipelineStage(stage, i, n, "cpu", group=mesh.get_group("pipe"))
+
+
+class RightCounting:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model, tp):
+        self.calls += 1  # harmless state
+        return right_wildcard_plan(model, tp)
+
+
+def right_by_submodule(model, tp):
+    mesh = _pp_tp(tp)
+    i, _ = mesh.get_coordinate()
+    n = mesh.shape[0]
+    stage = _cut(model, i, n)
+    for b in stage.layers.values():
+        parallelize_module(b.attn, mesh["tp"], {"wq": Col(), "wk": Col(), "wv": Col(),
+                                                "wo": RowwiseParallel()})
+        parallelize_module(b.mlp, mesh["tp"], {"0": Col(), "2": RowwiseParallel()})
+    return PipelineStage(stage, i, n, torch.device("cpu"),
+                         group=mesh.get_group(mesh_dim="pp"))
+
+
+def wrong_attention_only(model, tp):
+    return _partial_plan(model, tp, ("attn.wq", "attn.wk", "attn.wv", "attn.wo"))
+
+
+def wrong_mlp_only(model, tp):
+    return _partial_plan(model, tp, ("mlp.0", "mlp.2"))
+
+
+def wrong_first_block_only(model, tp):
+    return _partial_plan(model, tp, tuple(PLAN), blocks=1)
+
+
+def wrong_float64_always(model, tp):
+    return right_wildcard_plan(model.double(), tp)
+
+
+def wrong_bfloat16(model, tp):
+    return right_wildcard_plan(model.to(torch.bfloat16), tp)
+
+
+def wrong_reinitialised(model, tp):
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    return right_wildcard_plan(model, tp)
+
+
+def wrong_scaled_weights(model, tp):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 1e-3)
+    return right_wildcard_plan(model, tp)
+
+
+def wrong_frozen_embedding(model, tp):
+    model.embed.weight.requires_grad_(False)
+    return right_wildcard_plan(model, tp)
+
+
+_FIRST_TP = {}
+
+
+def wrong_first_tp_kept(model, tp):  # the first call's tp, reused
+    return right_wildcard_plan(model, _FIRST_TP.setdefault("tp", tp))
+
+
+NEW_RIGHT_STAGE = [right_wildcard_plan, right_deepcopy_per_linear, RightCounting(),
+                   right_by_submodule]
+NEW_WRONG_STAGE = {
+    wrong_attention_only: "linear weights sharded", wrong_mlp_only:
+    "linear weights sharded", wrong_first_block_only: "linear weights sharded",
+    wrong_float64_always: "parameters in float32", wrong_bfloat16: "parameters in",
+    wrong_reinitialised: "the given model's weights", wrong_scaled_weights:
+    "the given model's weights", wrong_frozen_embedding: "every gradient",
+    wrong_first_tp_kept: "pipeline stages",
+}
+
+
+@pytest.fixture(scope="module")
+def new_stage_results():
+    fns = NEW_RIGHT_STAGE + list(NEW_WRONG_STAGE)
+    return dict(zip(fns, ch13._run_stage(fns), strict=True))
+
+
+@pytest.mark.parametrize("fn", NEW_RIGHT_STAGE,
+                         ids=lambda f: getattr(f, "__name__", "cls"))
+def test_stage_new_right_answers_pass(new_stage_results, fn):
+    ch13.judge_stage(new_stage_results[fn])
+
+
+@pytest.mark.parametrize("fn", list(NEW_WRONG_STAGE), ids=lambda f: f.__name__)
+def test_stage_new_wrong_answers_fail(new_stage_results, fn):
+    msg = rejected(ch13.judge_stage, new_stage_results[fn])
+    assert NEW_WRONG_STAGE[fn] in msg, msg

@@ -194,6 +194,17 @@ STAGE_CASES = ((2, 2, torch.float32, 0), (1, 4, torch.float64, 1),
                (2, 4, torch.float64, 2))
 
 
+_TP_WEIGHTS = tuple(f"{m}.weight" for m in ("attn.wq", "attn.wk", "attn.wv",
+                                              "attn.wo", "mlp.0", "mlp.2"))
+
+
+def local_full(p):
+    """A parameter's whole value, gathered if it is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+
+
 def _stage_rank(rank: int, world: int, fns: list, cases=STAGE_CASES) -> list:
     import torch.distributed as dist
     from torch.distributed.pipelining import ScheduleGPipe
@@ -219,6 +230,18 @@ def _stage_rank(rank: int, world: int, fns: list, cases=STAGE_CASES) -> list:
                                  if isinstance(p, DTensor)), None)
                 sharded = any(isinstance(p, DTensor) and p.to_local().numel()
                               < p.numel() for p in module.parameters())
+                # the blocks' six linear weights, each split over the TP ranks
+                unsharded = [n for n, p in module.named_parameters()
+                             if n.endswith(_TP_WEIGHTS) and not (
+                                 isinstance(p, DTensor)
+                                 and p.to_local().numel() < p.numel())]
+                given = dict(ref.named_parameters())
+                dtypes = sorted({str(p.dtype).replace("torch.", "")
+                                 for p in module.parameters()})
+                changed = [n for n, p in module.named_parameters()
+                           if n in given and (p.shape != given[n].shape or not
+                                              torch.equal(local_full(p).to(dtype),
+                                                          given[n].detach()))]
                 schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=_loss)
                 losses = []
                 if stage.is_first:
@@ -239,6 +262,7 @@ def _stage_rank(rank: int, world: int, fns: list, cases=STAGE_CASES) -> list:
                 per_case.append({
                     "pp_group": sorted(dist.get_process_group_ranks(stage.group)),
                     "tp_peers": tp_peers, "sharded": sharded, "names": names,
+                    "unsharded": unsharded, "dtypes": dtypes, "changed": changed,
                     "loss": (torch.stack(losses).mean().item() if losses else None),
                     "ref_loss": _loss(ref(tokens), targets).item(), "diffs": diffs,
                     "all_names": [n for n, _ in ref.named_parameters()],
@@ -266,7 +290,18 @@ def judge_stage(ranks: list[list[dict]]) -> None:
                         else "fix that error and run the exercise cell again")
                 fail(ex, f"pp_tp_stage to run ({where})", f"rank {rank}: {err}", hint)
         n_stages = world // tp
+        want_dtype = str(dtype).replace("torch.", "")
         for rank, r in enumerate(results):
+            if r["dtypes"] != [want_dtype]:
+                fail(ex, f"the stage's parameters in {want_dtype} ({where})",
+                     f"{', '.join(r['dtypes'])} on rank {rank}",
+                     "keep the model's own dtype and weights: the checker runs "
+                     "float32 and float64, each compared with one process")
+            if r["changed"]:
+                fail(ex, f"the given model's weights ({where})",
+                     f"{r['changed'][0]} changed on rank {rank}",
+                     "cut and parallelize the model you are given; do not build "
+                     "or initialise new weights")
             if r["num_stages"] != n_stages:
                 fail(ex, f"{n_stages} pipeline stages ({where})",
                      f"a PipelineStage of {r['num_stages']} stages on rank {rank}",
@@ -295,6 +330,11 @@ def judge_stage(ranks: list[list[dict]]) -> None:
                          f"no sharded weight on rank {rank}",
                          "apply the tensor-parallel plan to the stage's blocks "
                          "on mesh['tp']")
+                if r["unsharded"]:
+                    fail(ex, f"every block's linear weights sharded over tp={tp} "
+                         f"({where})", f"{', '.join(r['unsharded'][:3])} whole on "
+                         f"rank {rank}", "the plan covers attention (wq, wk, wv, wo) "
+                         "and the MLP (mlp.0, mlp.2) of every block")
                 if r["tp_peers"] != peers:
                     fail(ex, f"rank {rank}'s TP peers {peers} ({where})",
                          f"{r['tp_peers']}",
