@@ -792,3 +792,429 @@ def test_transpose_placeholder_is_named():
         raise NotImplementedError("Exercise 1.3")
 
     assert "placeholder" in failure(ch01.check_transpose, transpose)
+
+
+# Answers written by an adversary: new right ones, and wrong ones that passed
+# before the checks were tightened (every thread writing the block's sum) or
+# got a hint about another mistake (one thread writing an element twice, a race
+# without barriers in the loop).
+
+from numba import int32  # noqa: E402
+
+N = 1000  # a size fixed in the kernel: wrong for every other n
+
+@cuda.jit
+def ax_block_stride(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.blockDim.x):
+        out[i] = a * x[i] + y[i]
+@cuda.jit
+def ax_thread_start(a, x, y, out):
+    for i in range(cuda.threadIdx.x, x.size, cuda.gridsize(1)):
+        out[i] = a * x[i] + y[i]
+@cuda.jit
+def ax_no_loop(a, x, y, out):
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = a * x[i] + y[i]
+@cuda.jit
+def ax_hard_n(a, x, y, out):
+    for i in range(cuda.grid(1), N, cuda.gridsize(1)):
+        out[i] = a * x[i] + y[i]
+@cuda.jit
+def ax_two_writes(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        out[i] = y[i]
+        out[i] += a * x[i]
+@cuda.jit
+def ax_in_x(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        x[i] = a * x[i]
+        out[i] = x[i] + y[i]
+@cuda.jit
+def ax_hard_stride(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, 128):
+        out[i] = a * x[i] + y[i]
+@cuda.jit
+def ax_f32_local(a, x, y, out):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        t = float32(a) * x[i]
+        out[i] = t + y[i]
+@cuda.jit
+def ax_chunks(a, x, y, out):
+    n_threads = cuda.gridsize(1)
+    per = (x.size + n_threads - 1) // n_threads
+    start = cuda.grid(1) * per
+    for i in range(start, min(start + per, x.size)):
+        out[i] = a * x[i] + y[i]
+@cuda.jit
+def ax_thread0(a, x, y, out):
+    if cuda.grid(1) == 0:
+        for i in range(x.size):
+            out[i] = a * x[i] + y[i]
+# right
+@cuda.jit
+def ax_r_while_down(a, x, y, out):
+    stride = cuda.blockDim.x * cuda.gridDim.x
+    i = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
+    while i < out.shape[0]:
+        out[i] = x[i] * a + y[i]
+        i = i + stride
+@cuda.jit
+def ax_r_count(a, x, y, out):
+    n = x.shape[0]
+    g = cuda.gridsize(1)
+    steps = (n + g - 1) // g
+    for k in range(steps):
+        i = cuda.grid(1) + k * g
+        if i < n:
+            out[i] = a * x[i] + y[i]
+
+# 1.2
+@cuda.jit
+def bs_sync_in_if(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    p[t] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            p[t] += p[t + s]
+            cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_all_write(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    p[t] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            p[t] += p[t + s]
+        cuda.syncthreads()
+        s //= 2
+    out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_warp_sync(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    p[t] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 16:
+        if t < s:
+            p[t] += p[t + s]
+        cuda.syncthreads()
+        s //= 2
+    if t < 16:
+        while s > 0:
+            p[t] += p[t + s]
+            s //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_f16_stride_hard(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * 128 + t
+    p[t] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    s = 64
+    while s > 0:
+        if t < s:
+            p[t] += p[t + s]
+        cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_serial(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    p[t] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    if t == 0:
+        acc = float32(0.0)
+        for k in range(cuda.blockDim.x):
+            acc += p[k]
+        out[cuda.blockIdx.x] = acc
+@cuda.jit
+def bs_stop_at_1(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    p[t] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 1:
+        if t < s:
+            p[t] += p[t + s]
+        cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_int(x, out):
+    p = cuda.shared.array(THREADS, int32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    p[t] = x[i] if i < x.size else 0
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            p[t] += p[t + s]
+        cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_no_pad(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    if i < x.size:
+        p[t] = x[i]
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            p[t] += p[t + s]
+        cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_same_buffer_race(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    p[t] = x[i] if i < x.size else float32(0.0)
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            p[t] += p[t + s]
+        s //= 2
+    cuda.syncthreads()
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+# right
+@cuda.jit
+def bs_r_interleaved(x, out):
+    p = cuda.shared.array(THREADS, float64)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    v = float64(0.0)
+    if i < x.shape[0]:
+        v = x[i]
+    p[t] = v
+    cuda.syncthreads()
+    s = 1
+    while s < cuda.blockDim.x:
+        if t % (2 * s) == 0:
+            p[t] += p[t + s]
+        cuda.syncthreads()
+        s *= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+@cuda.jit
+def bs_r_for_shift(x, out):
+    p = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.grid(1)
+    p[t] = 0
+    if i < len(x):
+        p[t] = x[i]
+    cuda.syncthreads()
+    steps = 0
+    n = THREADS
+    while n > 1:
+        n >>= 1
+        steps += 1
+    for k in range(steps):
+        s = THREADS >> (k + 1)
+        if t < s:
+            p[t] = p[t] + p[t + s]
+        cuda.syncthreads()
+    if t == 0:
+        out[cuda.blockIdx.x] = p[0]
+
+# 1.3
+@cuda.jit
+def tr_naive(a, out):
+    c = cuda.blockIdx.x * TILE + cuda.threadIdx.x
+    r = cuda.blockIdx.y * TILE + cuda.threadIdx.y
+    if r < a.shape[0] and c < a.shape[1]:
+        out[c, r] = a[r, c]
+@cuda.jit
+def tr_hard16(a, out):
+    tile = cuda.shared.array((16, 16), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    r, c = cuda.blockIdx.y * 16 + ty, cuda.blockIdx.x * 16 + tx
+    if r < a.shape[0] and c < a.shape[1]:
+        tile[ty, tx] = a[r, c]
+    cuda.syncthreads()
+    r, c = cuda.blockIdx.x * 16 + ty, cuda.blockIdx.y * 16 + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+@cuda.jit
+def tr_square_guard(a, out):
+    tile = cuda.shared.array((TILE, TILE), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    r, c = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+    if r < a.shape[0] and c < a.shape[0]:
+        tile[ty, tx] = a[r, c]
+    cuda.syncthreads()
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[0]:
+        out[r, c] = tile[tx, ty]
+@cuda.jit
+def tr_f32(a, out):
+    tile = cuda.shared.array((TILE, TILE), float32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    r, c = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+    if r < a.shape[0] and c < a.shape[1]:
+        tile[ty, tx] = a[r, c]
+    cuda.syncthreads()
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+@cuda.jit
+def tr_sync_in_if(a, out):
+    tile = cuda.shared.array((TILE, TILE), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    r, c = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+    if r < a.shape[0] and c < a.shape[1]:
+        tile[ty, tx] = a[r, c]
+        cuda.syncthreads()
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+@cuda.jit
+def tr_no_sync(a, out):
+    tile = cuda.shared.array((TILE, TILE), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    r, c = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+    if r < a.shape[0] and c < a.shape[1]:
+        tile[ty, tx] = a[r, c]
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+@cuda.jit
+def tr_read_transposed(a, out):  # reads a down columns, writes rows
+    tile = cuda.shared.array((TILE, TILE), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    r, c = cuda.blockIdx.y * TILE + tx, cuda.blockIdx.x * TILE + ty
+    if r < a.shape[0] and c < a.shape[1]:
+        tile[tx, ty] = a[r, c]
+    cuda.syncthreads()
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+@cuda.jit
+def tr_early_return(a, out):
+    tile = cuda.shared.array((TILE, TILE), float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    r, c = cuda.blockIdx.y * TILE + ty, cuda.blockIdx.x * TILE + tx
+    if r >= a.shape[0] or c >= a.shape[1]:
+        return
+    tile[ty, tx] = a[r, c]
+    cuda.syncthreads()
+    r, c = cuda.blockIdx.x * TILE + ty, cuda.blockIdx.y * TILE + tx
+    if r < out.shape[0] and c < out.shape[1]:
+        out[r, c] = tile[tx, ty]
+# right
+@cuda.jit
+def tr_r_padded(a, out):
+    tile = cuda.shared.array((TILE, TILE + 1), float64)
+    bx, by = cuda.blockIdx.x, cuda.blockIdx.y
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    h, w = a.shape
+    if by * TILE + ty < h and bx * TILE + tx < w:
+        tile[ty, tx] = a[by * TILE + ty, bx * TILE + tx]
+    cuda.syncthreads()
+    if bx * TILE + ty < w and by * TILE + tx < h:
+        out[bx * TILE + ty, by * TILE + tx] = tile[tx, ty]
+@cuda.jit
+def tr_r_blockdim(a, out):
+    tile = cuda.shared.array((TILE, TILE), float64)
+    n = cuda.blockDim.x
+    x, y = cuda.grid(2)
+    if y < a.shape[0] and x < a.shape[1]:
+        tile[cuda.threadIdx.y, cuda.threadIdx.x] = a[y, x]
+    cuda.syncthreads()
+    x2 = cuda.blockIdx.y * n + cuda.threadIdx.x
+    y2 = cuda.blockIdx.x * n + cuda.threadIdx.y
+    if y2 < out.shape[0] and x2 < out.shape[1]:
+        out[y2, x2] = tile[cuda.threadIdx.x, cuda.threadIdx.y]
+
+
+@pytest.mark.parametrize("right", [ax_r_while_down, ax_r_count])
+def test_axpy_accepts_more_variants(right, capsys):
+    ch01.check_axpy(right)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (ax_block_stride, "whole grid"),
+    (ax_thread_start, "global index"),
+    (ax_no_loop, "68 elements never written"),
+    (ax_hard_n, "outside the array"),
+    (ax_two_writes, "by one thread"),
+    (ax_in_x, "x left as it was"),
+    (ax_hard_stride, "cuda.gridsize(1)"),
+    (ax_f32_local, "went through float32"),
+    (ax_chunks, "sectors per warp request"),
+    (ax_thread0, "a few threads do the work of all"),
+])
+def test_axpy_names_more_mistakes(wrong, words):
+    assert words in failure(ch01.check_axpy, wrong)
+
+
+@pytest.mark.parametrize("right", [bs_r_interleaved, bs_r_for_shift])
+def test_block_sum_accepts_more_variants(right, capsys):
+    ch01.check_block_sum(right)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (bs_sync_in_if, "never reaches"),
+    (bs_all_write, "32 threads write out[0]"),
+    (bs_warp_sync, "put cuda.syncthreads() between"),
+    (bs_f16_stride_hard, "outside the shared array"),
+    (bs_serial, "a tree"),
+    (bs_stop_at_1, "sum of block 0"),
+    (bs_int, "holds integers"),
+    (bs_no_pad, "which no thread wrote"),
+    (bs_same_buffer_race, "put cuda.syncthreads() between"),
+])
+def test_block_sum_names_more_mistakes(wrong, words):
+    assert words in failure(ch01.check_block_sum, wrong)
+
+
+@pytest.mark.parametrize("right", [tr_r_padded, tr_r_blockdim])
+def test_transpose_accepts_more_variants(right, capsys):
+    ch01.check_transpose(right)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (tr_naive, "global writes"),
+    (tr_hard16, "use TILE"),
+    (tr_square_guard, "outside the array"),
+    (tr_f32, "float32 tile"),
+    (tr_sync_in_if, "inside a branch"),
+    (tr_no_sync, "a race"),
+    (tr_read_transposed, "global reads"),
+    (tr_early_return, "never reaches"),
+])
+def test_transpose_names_more_mistakes(wrong, words):
+    assert words in failure(ch01.check_transpose, wrong)

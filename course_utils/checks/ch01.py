@@ -357,11 +357,15 @@ class _Launch:
 
     def _race_hint(self, me: int, other: int, usual: str) -> str:
         most = max(self.barriers)
-        if self.barriers[me] == self.barriers[other] and not (
+
+        def passed(t: int) -> int:  # a thread waiting at a barrier has not passed it
+            return self.barriers[t] - (self.state[t] == "barrier")
+
+        if passed(me) == passed(other) and not (
                 self.state[other] == "done" and self.barriers[other] < most):
             return usual
-        lagging = other if self.barriers[other] <= self.barriers[me] else me
-        return (f"thread {self.tn(lagging)} passed {self.barriers[lagging]} "
+        lagging = other if passed(other) <= passed(me) else me
+        return (f"thread {self.tn(lagging)} passed {passed(lagging)} "
                 f"syncthreads, other threads of the block {most}: a "
                 "cuda.syncthreads() inside a branch that only some threads take "
                 "does not separate them; call it where every thread of the "
@@ -617,6 +621,19 @@ def check_block_sum(block_sum) -> None:
                  "no cuda.shared.array in the kernel",
                  "load each thread's element into cuda.shared.array(THREADS, "
                  "float32), then add pairs in a tree")
+        writers: dict[int, set] = {}
+        for (blk, thread), entries in launch.log.items():
+            for name, flat, write in entries:
+                if write and name == "out":
+                    writers.setdefault(flat, set()).add((blk, thread))
+        many = {f: w for f, w in writers.items() if len(w) > 1}
+        if many:
+            f = min(many)
+            fail(ex, f"out[{f}] written by one thread, thread 0 of block {f} "
+                     f"({what})", f"{len(many[f])} threads write out[{f}]",
+                 "on a GPU those writes race (and each one is a global store): "
+                 "only thread 0 writes the block's sum, under if "
+                 "cuda.threadIdx.x == 0")
         if np.isnan(out).any():
             b = int(np.flatnonzero(np.isnan(out))[0])
             fail(ex, f"out[b] written for every block ({what})",
@@ -755,6 +772,13 @@ def check_axpy(axpy) -> None:
                      "cuda.grid(1) (blockIdx.x * blockDim.x + threadIdx.x)")
             if (writes > 1).any():
                 i = int(np.flatnonzero(writes > 1)[0])
+                twice = [t for t, entries in launch.log.items() if sum(
+                    1 for nm, f, w in entries if w and nm == "out" and f == i) > 1]
+                if twice:
+                    fail(ex, f"every element of out written once ({what})",
+                         f"out[{i}] written {writes[i]} times by one thread",
+                         "compute a * x[i] + y[i] and store it with one write: "
+                         "out[i] = ..., not out[i] = y[i] then out[i] += ...")
                 fail(ex, f"every element of out written once ({what})",
                      f"out[{i}] written {writes[i]} times",
                      "the stride is the number of threads in the whole grid, "
