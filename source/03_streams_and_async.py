@@ -943,11 +943,13 @@ transfers.plot_epochs(epoch_spans)
 # from it (`cuda.Stream()`, `cuda.current_stream()`, `cuda.stream(s)`,
 # `cuda.Event()`), and copy with `batch.to(device, non_blocking=True)`.
 #
-# The check runs your prefetcher under a training loop on the stand-in GPU,
-# with copies slower than steps and steps slower than copies: every step must
-# read its own batch, the host must never wait (no `synchronize`), copies
-# must overlap the steps, and at most a few batches may be on the device at
-# once. With a GPU it then runs for real.
+# The check runs your prefetcher under training loops on the stand-in GPU,
+# with copies slower than steps and steps slower than copies, in loops that
+# never wait and in loops that wait for each step (as `loss.item()` does):
+# every step must read its own batch, unchanged, the host must never wait in
+# the prefetcher (no `synchronize`), copies must overlap the steps, and at
+# most a few batches may be on the device at once. With a GPU it then runs
+# for real.
 
 # %% tags=["exercise"] exercise="3.1"
 def prefetch(batches, device, cuda):
@@ -985,11 +987,13 @@ check_prefetcher(prefetch)
 # return the fraction of the wall-clock time from the first start to the last
 # end during which **at least two** spans were running (whatever their
 # lanes). Two spans that only touch do not overlap; a span of zero length
-# never runs; time when three run at once counts once; gaps count in the
-# total. Leave `spans` as they were: the caller still needs them. The check
-# uses hand-made cases and seeded random ones (integer and float times,
-# negative and large offsets, spans as tuples or lists), asks each twice, and
-# then takes the matmul spans of the two threads measured in section 3.
+# never runs (but its time still counts for the first start and the last
+# end); time when three run at once counts once; gaps count in the total.
+# Leave `spans` as they were, in their order: the caller still needs them.
+# The check uses hand-made cases and seeded random ones (integer and float
+# times, negative and large offsets, spans as tuples or lists), asks each
+# twice, and then takes the matmul spans of the two threads measured in
+# section 3.
 
 # %% tags=["exercise"] exercise="3.2"
 def overlap_fraction(spans):

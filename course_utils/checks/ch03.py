@@ -10,22 +10,29 @@ stream runs its work in order, two streams run at once unless an event or
 the next copy on its stream at once unless ``record_stream`` said another
 stream still uses it. Because the clock is simulated, a missing wait reads an
 unfinished copy, and a missing ``record_stream`` reads a block that the next
-copy is overwriting, every time, whatever the machine's load. On a machine
-with a GPU the same answer then runs for real.
+copy is overwriting, every time, whatever the machine's load. The training
+loops include an empty epoch and loops that wait for each step (as
+``loss.item()`` does), where only a copy started before the batch is handed
+out overlaps a step; a batch must reach the device in its own dtype. On a
+machine with a GPU the same answer then runs for real.
 
 Exercise 3.2 (``overlap_fraction``) is checked against hand-made cases with
 known answers and seeded random span sets (ties, touching and zero-length
 spans, integer and float times, negative and perf_counter-sized offsets,
 tuples and lists), each asked twice, within a time limit; the input must be
-left as it was, and a wrong number is matched against the typical mistakes
-(a percentage, pairs summed, gaps left out, lanes instead of spans, times
-from 0, state kept between calls) to name the one made.
+left as it was (order included), and a wrong number is matched against the
+typical mistakes (a percentage, pairs summed, zero-length spans left out of the
+wall-clock time, gaps left out, lanes instead of spans, touching spans counted,
+times truncated or rounded, times from 0, state kept between calls), each
+confirmed on a probe of its own, to name the one made. The checker's own
+reference refuses to run inside the learner's function.
 
 Exercise 3.3 (``load_ahead``, a loading pipeline in threads) is judged by
 behaviour on a traced dataset whose loads and the loop's steps are sleeps (so
 the verdict does not depend on the machine's load): the batches and their
 order, the time the loop waits for data in the second half of an epoch, how
-far ahead and how many at once the threads load, no thread left when the
+far ahead of the loop's requests and how many at once the threads load,
+samples of other shapes (2-D) and the labels' dtype, no thread left when the
 loop stops early, a corrupt sample's error reaching the loop, a second call.
 The dataset refuses to be read in other processes, so a ``DataLoader`` with
 worker processes is not an answer.
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import random
 import threading
@@ -174,7 +182,7 @@ class DeviceBatch:
     def __init__(self, gpu: StandInCuda, block: _Block, shape, index: int,
                  copy_op: dict):
         self.gpu, self.block, self.shape, self.index = gpu, block, shape, index
-        self.copy_op = copy_op
+        self.copy_op, self.dtype = copy_op, copy_op["payload"].dtype
         self.device = gpu.device
         self._used_by: set[StandInStream] = set()
         gpu._live += 1
@@ -185,9 +193,18 @@ class DeviceBatch:
         self._used_by.add(stream)
 
     def to(self, *args, **kwargs):
+        if _dtype_of(args, kwargs) is not None:
+            self._dtype_changed()
         fail(self.gpu.exercise, "the batch used on the GPU as it is",
              "a batch that was already on the GPU copied again",
              "copy each CPU batch once: batch.to(device, non_blocking=True)")
+
+    def _dtype_changed(self, *args, **kwargs):
+        fail(self.gpu.exercise, "each batch on the device in its own dtype, unchanged",
+             f"a {self.dtype} batch converted on the device",
+             "copy the batch as it is; the training step decides its dtype")
+
+    half = float = double = bfloat16 = _dtype_changed
 
     def __repr__(self):
         return f"<batch {self.index} on the stand-in GPU, block {self.block.number}>"
@@ -203,6 +220,12 @@ class DeviceBatch:
         gpu._free.append(self.block)
 
 
+def _dtype_of(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype a ``.to(...)`` call asks for, if any."""
+    found = [a for a in args if isinstance(a, torch.dtype)]
+    return kwargs.get("dtype", found[0] if found else None)
+
+
 class HostBatch(torch.Tensor):
     """A (pinned) CPU batch; ``.to(stand-in device)`` queues an asynchronous copy."""
 
@@ -211,7 +234,8 @@ class HostBatch(torch.Tensor):
         if isinstance(device, StandInDevice):
             rest = [a for a in args[1:] if isinstance(a, bool)]
             non_blocking = kwargs.get("non_blocking", rest[0] if rest else False)
-            return device.gpu._copy_in(self, bool(non_blocking))
+            return device.gpu._copy_in(self, bool(non_blocking),
+                                       _dtype_of(args[1:], kwargs))
         if isinstance(device, str) and device.startswith("cuda"):
             fail(_CURRENT[0].exercise if _CURRENT else "3.1",
                  "the copy to go to the `device` you were given",
@@ -252,13 +276,18 @@ class StandInCuda:
         self._current = self._default
         self._streams = [self._default]
         self.host_t = 0.0
-        self.host_waits: list[str] = []
+        self._waits: list[str] = []
         self.ops: list[dict] = []     # every queued copy and kernel, in queue order
         self._free: list[_Block] = []
         self._blocks = 0
         self._live = 0
         self.max_live = 0
         self._copies = 0
+
+    @property
+    def host_waits(self) -> list[str]:
+        """Every host wait so far (a copy: clearing it changes nothing)."""
+        return list(self._waits)
 
     # torch.cuda's names
     def is_available(self) -> bool:
@@ -329,13 +358,13 @@ class StandInCuda:
 
     def _host_wait(self, until: float, what: str) -> None:
         if until > self.host_t:
-            self.host_waits.append(what)
+            self._waits.append(what)
             self.host_t = until
 
     def _poll(self, until: float) -> bool:
         done = until <= self.host_t
         if not done:  # polling takes host time too, and it is time spent waiting
-            self.host_waits.append("query() in a loop")
+            self._waits.append("query() in a loop")
             self.host_t = min(until, self.host_t + 0.01 * self.copy_s)
         return done
 
@@ -359,11 +388,14 @@ class StandInCuda:
         self._blocks += 1
         return _Block(self._blocks, s, nbytes)
 
-    def _copy_in(self, host: HostBatch, non_blocking: bool) -> DeviceBatch:
+    def _copy_in(self, host: HostBatch, non_blocking: bool,
+                 dtype: torch.dtype | None = None) -> DeviceBatch:
         index = getattr(host, "batch_index", self._copies)
         self._copies += 1
-        block = self._allocate(host.numel() * host.element_size())
         payload = host.detach().as_subclass(torch.Tensor).clone()
+        if dtype is not None:
+            payload = payload.to(dtype)
+        block = self._allocate(payload.numel() * payload.element_size())
         op = self._enqueue(self.copy_s, "copy", f"copy {index}", block=block,
                            payload=payload, index=index)
         if not non_blocking:
@@ -434,15 +466,21 @@ def batch_value(values: torch.Tensor) -> float:
 
 # --- Exercise 3.1: a side-stream prefetcher -------------------------------------
 
-# (batches, batch shape, copy time, step time, dtype, epochs): copy-bound and
-# compute-bound runs, a single batch, float64 of mixed magnitudes, and one
-# stand-in GPU used for two epochs in a row (state kept from the first)
+# (batches, batch shape, copy time, step time, dtype, epochs, the loop waits for
+# each step): copy-bound and compute-bound runs, an empty epoch, a single batch,
+# float64 of mixed magnitudes, one stand-in GPU used for two epochs in a row
+# (state kept from the first), and loops that wait for each step as
+# `loss.item()` does (then only a copy started before the batch is handed out
+# can overlap a step)
 _PREFETCH_CASES = [
-    (7, (3, 5), 1.0, 3.0, torch.float32, 1),
-    (6, (17,), 3.0, 1.0, torch.float64, 1),
-    (1, (2, 3), 1.0, 2.0, torch.float32, 1),
-    (9, (4, 4), 2.0, 2.0, torch.float64, 2),
-    (5, (2, 1, 3), 0.5, 2.5, torch.float32, 1),
+    (7, (3, 5), 1.0, 3.0, torch.float32, 1, False),
+    (6, (17,), 3.0, 1.0, torch.float64, 1, False),
+    (0, (3,), 1.0, 1.0, torch.float32, 1, False),
+    (1, (2, 3), 1.0, 2.0, torch.float32, 1, False),
+    (9, (4, 4), 2.0, 2.0, torch.float64, 2, False),
+    (5, (2, 1, 3), 0.5, 2.5, torch.float32, 1, False),
+    (8, (2, 5), 1.0, 2.0, torch.float32, 1, True),
+    (6, (7,), 2.0, 1.0, torch.float64, 1, True),
 ]
 
 
@@ -454,17 +492,22 @@ def _serial_and_ideal(n: int, copy_s: float, step_s: float) -> tuple[float, floa
 
 def run_standin_prefetch(fn: Callable, n: int, shape: tuple, copy_s: float,
                          step_s: float, seed: int = 0, exercise: str = "3.1",
-                         dtype: torch.dtype = torch.float32, epochs: int = 1) -> dict:
+                         dtype: torch.dtype = torch.float32, epochs: int = 1,
+                         loop_waits: bool = False) -> dict:
     """Run ``fn(batches, device, cuda)`` on the stand-in, with a training loop.
 
     The loop queues one step (reading the batch) on the current stream per
-    batch it is given, never waits, and synchronises once at the end; with
+    batch it is given and synchronises once at the end; it never waits in
+    between, unless ``loop_waits``: then it waits for each step to finish (as
+    ``loss.item()`` does; not counted as the prefetcher's wait). With
     ``epochs`` > 1 it calls ``fn`` again on the same stand-in. Returns what
     the checker needs: the stand-in, what each step read, and the order.
     """
     gpu = StandInCuda(copy_s=copy_s, exercise=exercise)
     batches = host_batches(n, shape, seed, dtype)
     expected = [batch_value(torch.Tensor(b)) for b in batches] * epochs
+
+    dtypes: set = set()
 
     def train():
         steps, given = [], []
@@ -477,7 +520,11 @@ def run_standin_prefetch(fn: Callable, n: int, shape: tuple, copy_s: float,
                              "None", "return the generator (or use `yield`)")
                     for batch in it:
                         given.append(batch)
+                        if isinstance(batch, DeviceBatch):
+                            dtypes.add(batch.dtype)
                         steps.append(gpu.launch(batch_value, batch, step_s))
+                        if loop_waits and "end" in steps[-1]:
+                            gpu.host_t = max(gpu.host_t, steps[-1]["end"])
                         del batch
                         given[-1] = getattr(given[-1], "index", given[-1])
                         if len(steps) > 3 * n * epochs + 3:
@@ -492,7 +539,8 @@ def run_standin_prefetch(fn: Callable, n: int, shape: tuple, copy_s: float,
 
     steps, given, waits = _run_with_timeout(exercise, train)
     return {"gpu": gpu, "steps": steps, "given": given, "expected": expected,
-            "n": n * epochs, "per_epoch": n, "epochs": epochs, "host_waits": waits}
+            "n": n * epochs, "per_epoch": n, "epochs": epochs, "host_waits": waits,
+            "loop_waits": loop_waits, "dtypes": dtypes, "dtype": dtype}
 
 
 def _raised(exercise: str, e: Exception) -> None:
@@ -512,6 +560,8 @@ def _judge_prefetch(ex: str, run: dict, copy_s: float, step_s: float) -> None:
     gpu, steps, n, expected = run["gpu"], run["steps"], run["n"], run["expected"]
     setting = (f"{n} batches, a copy takes {copy_s:g} and a training step "
                f"{step_s:g} time units")
+    if run["loop_waits"]:
+        setting += "; the loop waits for each step, as loss.item() does"
     for op in steps:
         if "not_on_device" in op:
             b = op["not_on_device"]
@@ -519,6 +569,12 @@ def _judge_prefetch(ex: str, run: dict, copy_s: float, step_s: float) -> None:
                  "`batch.to(device, non_blocking=True)`)",
                  f"a {type(b).__name__} that was never copied to the device",
                  "copy each batch to `device` on the side stream")
+    dtypes = run["dtypes"] - {run["dtype"]}
+    if dtypes:
+        fail(ex, f"each batch on the device in its own dtype, {run['dtype']} "
+             f"({setting})",
+             f"{', '.join(sorted(map(str, dtypes)))} on the device",
+             "copy the batch as it is: batch.to(device, non_blocking=True), no dtype")
     if len(steps) != n:
         fail(ex, f"{n} batches, one per CPU batch ({setting})",
              f"{len(steps)} batches", "yield every batch once, the last one too")
@@ -571,22 +627,36 @@ def _judge_prefetch(ex: str, run: dict, copy_s: float, step_s: float) -> None:
              "at the start (device memory is what you are short of)")
     serial, ideal = _serial_and_ideal(per_epoch, copy_s, step_s)
     serial, ideal = serial * run["epochs"], ideal * run["epochs"]
-    total = max(op["end"] for op in gpu.ops)
+    total = max((op["end"] for op in gpu.ops), default=0.0)
     if n > 2 and total > (serial + ideal) / 2:
+        copies = [op for op in gpu.ops if op["kind"] == "copy"]
+        waited_next = sum(steps[i]["start"] >= copies[i + 1]["end"]
+                          for i in range(min(len(steps), len(copies)) - 1))
+        hint = ("start the copy of the next batch before handing out the current "
+                "one, and make the steps wait only for the copy they need")
+        if waited_next >= (n - 1) / 2:
+            hint = ("each step waited for the copy of the batch after it too: "
+                    "wait_stream waits for everything queued on the side stream so "
+                    "far, so call it before starting the next copy (or wait on an "
+                    "event recorded right after this batch's copy)")
+        elif run["loop_waits"]:
+            hint = ("start copying batch i + 1 before handing out batch i: when the "
+                    "loop waits for each step, a copy started only when the next "
+                    "batch is asked for runs after the step, not under it")
         fail(ex, f"copies overlapping the training steps: about {ideal:g} time "
              f"units ({setting})",
              f"{total:g} time units (one after the other would take {serial:g})",
-             "start the copy of the next batch before handing out the current "
-             "one, and make the steps wait only for the copy they need")
+             hint)
 
 
 def check_prefetcher(fn: Callable) -> None:
     """Exercise 3.1: ``prefetch(batches, device, cuda)`` on the stand-in, then a GPU."""
     ex = "3.1"
     require_solution(ex, fn)
-    for seed, (n, shape, copy_s, step_s, dtype, epochs) in enumerate(_PREFETCH_CASES):
+    for seed, (n, shape, copy_s, step_s, dtype, epochs, loop_waits) in enumerate(
+            _PREFETCH_CASES):
         run = run_standin_prefetch(fn, n, shape, copy_s, step_s, seed=seed, exercise=ex,
-                                   dtype=dtype, epochs=epochs)
+                                   dtype=dtype, epochs=epochs, loop_waits=loop_waits)
         _judge_prefetch(ex, run, copy_s, step_s)
     note = ("On the stand-in GPU every batch was read after its copy and before "
             "its memory was reused, with copies under the training steps.")
@@ -634,6 +704,8 @@ def _check_prefetcher_on_gpu(ex: str, fn: Callable) -> str:
 _OVERLAP_CASES: list[tuple[list[tuple], float, str]] = [
     ([("a", 0.0, 2.0), ("b", 0.0, 2.0)], 1.0,
      "two spans running the whole time overlap for all of it"),
+    ([("a", 0.25, 0.75), ("b", 0.5, 1.5)], 0.2,
+     "times are seconds as floats: keep their fractions"),
     ([("a", 0.0, 1.0), ("b", 1.0, 2.0)], 0.0,
      "spans that only touch (one ends when the next starts) do not overlap"),
     ([("a", 0.0, 1.0), ("a", 1.0, 2.0), ("a", 2.0, 3.0)], 0.0,
@@ -655,13 +727,23 @@ _OVERLAP_CASES: list[tuple[list[tuple], float, str]] = [
      "not lanes"),
     ([("a", 0.0, 4.0), ("b", 2.0, 2.0), ("c", 1.0, 1.0)], 0.0,
      "a span of zero length never runs, so it overlaps nothing"),
+    ([("a", 0.0, 4.0), ("b", 1.0, 3.0), ("c", 8.0, 8.0)], 0.25,
+     "a span of zero length overlaps nothing, but its start and end still count: "
+     "the wall-clock time runs from the first start to the last end of all spans"),
     ([("a", 5.0, 6.0), ("b", 0.0, 1.0), ("c", 0.5, 2.0), ("d", 5.5, 8.0)], 1 / 8,
      "sort the spans by start before sweeping; the input order means nothing"),
 ]
 
 
+_IN_LEARNER = threading.local()  # set in the thread running the learner's code
+
+
 def _reference_overlap(spans: Sequence[tuple]) -> float:
     """The fraction by cutting time at every edge (a slow, plain reference)."""
+    if getattr(_IN_LEARNER, "on", False):
+        fail("3.2", "overlap_fraction to compute the fraction itself",
+             "it called the checker's own reference",
+             "sweep over the spans' starts and ends yourself")
     cuts = sorted({t for s in spans for t in (s[1], s[2])})
     busy = sum(hi - lo for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)
                if sum(s[1] < hi and s[2] > lo for s in spans) >= 2)
@@ -713,6 +795,26 @@ def _lanes_only(spans: Sequence[tuple]) -> float:
     return busy / (cuts[-1] - cuts[0]) if cuts[-1] > cuts[0] else 0.0
 
 
+def _zero_length_dropped(spans: Sequence[tuple]) -> float:
+    real = [s for s in spans if s[2] > s[1]]
+    return _reference_overlap(real) if real else 0.0
+
+
+def _touching_counts(spans: Sequence[tuple]) -> float:
+    cuts = sorted({t for s in spans for t in (s[1], s[2])})
+    busy = sum(hi - lo for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)
+               if sum(s[1] <= hi and s[2] >= lo for s in spans) >= 2)
+    return busy / (cuts[-1] - cuts[0]) if cuts[-1] > cuts[0] else 0.0
+
+
+def _truncated(spans: Sequence[tuple]) -> float:
+    return _reference_overlap([(s[0], int(s[1]), int(s[2])) for s in spans])
+
+
+def _rounded_ms(spans: Sequence[tuple]) -> float:
+    return _reference_overlap([(s[0], round(s[1], 3), round(s[2], 3)) for s in spans])
+
+
 def _from_zero(spans: Sequence[tuple]) -> float:
     end = max(s[2] for s in spans)
     return _reference_overlap(spans) * (end - min(s[1] for s in spans)) / end \
@@ -720,61 +822,111 @@ def _from_zero(spans: Sequence[tuple]) -> float:
 
 
 # mistakes recognised by the number they give: (function, hint)
+# mistakes recognised by the number they give: (function, probe, hint). A hint is
+# shown only if the learner's answer for the probe (spans where that mistake
+# stands out) is the mistake's number there too, so that two mistakes giving the
+# same number on one case are told apart.
 _OVERLAP_MISTAKES = [
-    (lambda sp: 100 * _reference_overlap(sp),
+    (lambda sp: 100 * _reference_overlap(sp), [("a", 0.0, 2.0), ("b", 1.0, 3.0)],
      "return a fraction between 0 and 1, not a percentage"),
-    (_pairwise_overlap,
+    (_pairwise_overlap, [("a", 0.0, 4.0), ("b", 1.0, 2.0), ("c", 1.5, 3.0)],
      "time when three spans run at once counts once, not once per pair: sweep "
      "over the edges and count the spans running, instead of summing pairs"),
-    (_over_busy_time,
+    (_zero_length_dropped, [("a", 0.0, 4.0), ("b", 1.0, 3.0), ("c", 8.0, 8.0)],
+     "a span of zero length overlaps nothing, but its start and end still count: "
+     "the wall-clock time runs from the first start to the last end of all spans"),
+    (_over_busy_time, [("a", 0.0, 1.0), ("b", 0.5, 1.0), ("a", 3.0, 4.0)],
      "divide by the wall-clock time from the first start to the last end, gaps "
      "included, not by the time something was running"),
-    (_lanes_only,
+    (_lanes_only, [("a", 0.0, 4.0), ("a", 1.0, 3.0)],
      "two spans on the same lane that run at once overlap too: count spans, "
      "not lanes"),
-    (_from_zero,
+    (_touching_counts, [("a", 0.0, 1.0), ("b", 1.0, 2.0)],
+     "spans that only touch do not overlap: a span runs from its start up to, "
+     "not including, its end (compare with < and >, not <= and >=)"),
+    (_rounded_ms, [("a", 1e5 + 1e-4, 1e5 + 3e-4), ("b", 1e5 + 2e-4, 1e5 + 4e-4)],
+     "keep the times' full precision (float64, no rounding): perf_counter spans "
+     "can be microseconds long on a clock that reads 1e5 seconds or more"),
+    (_truncated, [("a", 0.25, 0.75), ("b", 0.5, 1.5)],
+     "times are seconds as floats: keep their fractions (no int())"),
+    (_from_zero, [("a", 10.0, 12.0), ("b", 11.0, 13.0)],
      "times may come from any clock: measure from the first start, not from 0"),
 ]
 
 
-def _overlap_hint(spans: Sequence[tuple], value: float, case_hint: str) -> str:
-    """The hint for the mistake the value shows, else the case's own hint."""
-    right = _reference_overlap(spans)
-    for mistake, hint in _OVERLAP_MISTAKES:
-        try:
-            wrong = mistake(spans)
-        except (ZeroDivisionError, ValueError):
-            continue
-        if (math.isfinite(wrong) and abs(wrong - right) > 1e-6
-                and abs(wrong - value) <= 1e-6 + 1e-4 * abs(wrong)):
+def _shows(mistake: Callable, spans: Sequence[tuple], value: float | None) -> bool:
+    """Whether ``value`` is the number ``mistake`` gives for ``spans`` (and not
+    the right one)."""
+    try:
+        wrong = mistake(spans)
+    except (ZeroDivisionError, ValueError):
+        return False
+    return (value is not None and math.isfinite(wrong)
+            and abs(wrong - _reference_overlap(spans)) > 1e-6
+            and abs(wrong - value) <= 1e-6 + 1e-4 * abs(wrong))
+
+
+def _overlap_hint(spans: Sequence[tuple], value: float, case_hint: str,
+                  ask: Callable | None = None) -> str:
+    """The hint for the mistake the value shows, confirmed on that mistake's
+    probe with ``ask`` (the learner's answer for other spans), else the case's
+    own hint."""
+    for mistake, probe, hint in _OVERLAP_MISTAKES:
+        if _shows(mistake, spans, value) and (
+                ask is None or _shows(mistake, probe, ask(probe))):
             return hint
     return case_hint
 
 
-def _call_overlap(ex: str, fn: Callable, spans, shown: str) -> float:
+def _asker(ex: str, fn: Callable) -> Callable:
+    """The learner's answer for a probe, or None if it fails there."""
+    def ask(probe):
+        try:
+            return _call_overlap(ex, fn, probe, str(probe), probing=True)
+        except ExerciseFailed:
+            return None
+    return ask
+
+
+def _call_overlap(ex: str, fn: Callable, spans, shown: str,
+                  probing: bool = False) -> float:
     """The learner's fraction for ``spans``, within a time limit, as a float."""
     given = [list(s) if isinstance(s, list) else tuple(s) for s in spans]
-    before = [tuple(s) for s in given]
-    value = _run_with_timeout(ex, call_learner, ex, fn,
-                              type(spans)(given) if isinstance(spans, tuple) else given,
-                              timeout=TIMEOUT_S)
-    if sorted(map(str, (tuple(s) for s in given))) != sorted(map(str, before)):
+    arg = type(spans)(given) if isinstance(spans, tuple) else given
+
+    def as_written(items) -> list:  # order, containers, values and their types
+        return [(type(s).__name__, repr(tuple(s))) for s in items]
+
+    before = as_written(given)
+
+    def learner():
+        _IN_LEARNER.on = True  # this thread is the learner's: no reference here
+        try:
+            return call_learner(ex, fn, arg)
+        finally:
+            _IN_LEARNER.on = False
+
+    value = _run_with_timeout(ex, learner, timeout=TIMEOUT_S)
+    if as_written(given) != before:
         fail(ex, f"overlap_fraction({shown}) to leave the spans it was given as "
-             "they were", "the spans changed (removed, added or edited)",
+             "they were", "the spans changed (reordered, removed, added or edited)",
              "work on a copy (sorted(spans) makes a new list); the caller still "
-             "needs its spans")
+             "needs its spans, in their order")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    elif type(value).__module__ == "numpy" and getattr(value, "size", 0) == 1:
+        value = value.item()  # a NumPy scalar or 0-d array
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail(ex, f"overlap_fraction({shown}) to return a number",
              f"a {type(value).__name__}: {value!r:.60}",
              "return busy time / wall-clock time, a float")
     value = float(value)
-    if not 0.0 <= value <= 1.0:
+    if not probing and not 0.0 <= value <= 1.0:
         fail(ex, f"a fraction between 0 and 1 for overlap_fraction({shown})",
              f"{value:g}", _overlap_hint(spans, value,
                                           "a fraction of the wall-clock time is "
-                                          "never below 0 or above 1"))
+                                          "never below 0 or above 1",
+                                          None if probing else _asker(ex, fn)))
     return value
 
 
@@ -801,7 +953,7 @@ def check_overlap_fraction(fn: Callable, measured_spans: Sequence[tuple] | None 
         shown = "[" + ", ".join(str(tuple(s)) for s in spans) + "]"
         value = _call_overlap(ex, fn, given, shown)
         if not abs(value - expected) <= 1e-6 + 1e-3 * abs(expected):
-            hint = _overlap_hint(spans, value, hint)
+            hint = _overlap_hint(spans, value, hint, _asker(ex, fn))
             probe = [("p", 0.0, 1.0), ("q", 0.5, 1.0), ("r", 3.0, 4.0)]  # 0.125
             if (previous is not None and value == previous[0] != 0.125
                     and _call_overlap(ex, fn, probe, str(probe)) == value):
@@ -811,8 +963,8 @@ def check_overlap_fraction(fn: Callable, measured_spans: Sequence[tuple] | None 
             fail(ex, f"overlap_fraction({shown}) = {expected:.6g}", f"{value:.6g}",
                  hint)
         previous = (value, expected)
-        again = _call_overlap(ex, fn, given, shown)
-        if again != value:
+        again = _call_overlap(ex, fn, [list(s) for s in spans], shown)  # as lists
+        if not abs(again - value) <= 1e-9 * (1 + abs(value)):
             fail(ex, f"the same answer when overlap_fraction is called again on "
                  f"{shown}", f"{value:.6g}, then {again:.6g}",
                  "keep no state between calls (no global lists, no default "
@@ -825,7 +977,7 @@ def check_overlap_fraction(fn: Callable, measured_spans: Sequence[tuple] | None 
         if not abs(value - expected) <= 1e-6 + 1e-3 * abs(expected):
             fail(ex, f"{expected:.4g} for the spans measured above", f"{value:.4g}",
                  _overlap_hint(spans, value, "times from perf_counter are large "
-                               "floats: subtract, do not round"))
+                               "floats: subtract, do not round", _asker(ex, fn)))
         note = f"The matmuls measured above overlapped for {value:.0%} of their run."
     passed(ex, note)
 
@@ -872,12 +1024,13 @@ class TracedSamples:
         return self.x[i].clone(), torch.tensor(i)
 
 
-# (samples, batch size, workers, seconds to load a batch, seconds per step)
+# (samples, batch size, workers, seconds to load a batch, seconds per step,
+# the shape of a sample's x)
 _AHEAD_CASES = [
-    (40, 4, 2, 0.040, 0.025),    # a batch takes 1.6 steps: two threads keep up
-    (31, 3, 1, 0.012, 0.025),    # one thread keeps up; the last batch is short
-    (12, 3, 0, 0.003, 0.040),    # no threads: the loop loads each batch itself
-    (40, 4, 2, 0.040, 0.025),    # the first case again: a second call
+    (40, 4, 2, 0.040, 0.025, (3,)),  # a batch takes 1.6 steps: two threads keep up
+    (31, 3, 1, 0.012, 0.025, (2, 3)),  # one thread keeps up; the last batch is short
+    (12, 3, 0, 0.003, 0.040, (3,)),  # no threads: the loop loads each batch itself
+    (40, 4, 2, 0.040, 0.025, (3,)),  # the first case again: a second call
 ]
 STARVED_FRACTION = 0.3  # the loop may wait for data at most this share of a step
 
@@ -891,7 +1044,7 @@ def _drive(ex: str, fn: Callable, data: TracedSamples, bs: int, workers: int,
 
     def train():
         threads0 = threading.active_count()
-        got, waits, handed, error = [], [], [], None
+        got, waits, handed, asked, error = [], [], [], [], None
         it = call_learner(ex, fn, data, bs, workers)
         if it is None:
             fail(ex, "an iterable of batches", "None",
@@ -900,6 +1053,7 @@ def _drive(ex: str, fn: Callable, data: TracedSamples, bs: int, workers: int,
             iterator = iter(it)
             while len(got) <= 2 * n_batches + 2:
                 t0 = time.perf_counter()
+                asked.append(t0)
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -923,7 +1077,8 @@ def _drive(ex: str, fn: Callable, data: TracedSamples, bs: int, workers: int,
         deadline = time.perf_counter() + 2.0 + 3 * data.load_s * bs
         while threading.active_count() > threads0 and time.perf_counter() < deadline:
             time.sleep(0.01)
-        return {"batches": got, "waits": waits, "handed": handed, "error": error,
+        return {"batches": got, "waits": waits, "handed": handed, "asked": asked,
+                "error": error,
                 "left": threading.active_count() - threads0,
                 "loop_thread": threading.get_ident()}
 
@@ -955,18 +1110,29 @@ def _check_ahead_batches(ex: str, data: TracedSamples, bs: int, got: list,
                  "stop when the dataset's samples run out")
         x, y = batch
         idx = want[k]
-        if y.shape != (len(idx),) or y.tolist() != idx:
-            seen = y.tolist() if y.dim() == 1 else f"shape {tuple(y.shape)}"
+        shapes = (("x", x, tuple(data.x[idx].shape)), ("y", y, (len(idx),)))
+        for name, t, shape in shapes:
+            if tuple(t.shape) != shape:
+                fail(ex, f"batch {k}'s {name} of shape {shape}: {len(idx)} samples "
+                     f"stacked ({setting})", f"shape {tuple(t.shape)}",
+                     "torch.stack keeps each sample's shape and adds the batch "
+                     "dimension, also for a last batch of one sample: no reshape, "
+                     "view, squeeze or cat")
+        if y.tolist() != idx:
+            seen = y.tolist()
             hint = ("hand the batches out in their order: batch k holds samples "
                     "k*batch_size onwards, whichever thread finished first")
-            if y.dim() == 1 and y.tolist() not in want:
+            if y.tolist() not in want:
                 hint = (f"batch k holds samples k*{bs} .. (k+1)*{bs}-1, the last one "
                         "possibly shorter; every sample once")
             fail(ex, f"batch {k} to hold samples {idx} in order ({setting})",
                  f"samples {seen}", hint)
+        if y.dtype != torch.int64:
+            fail(ex, f"batch {k}'s y to be its samples' y stacked, unchanged (int64)",
+                 f"dtype {y.dtype}", "torch.stack the samples' y as they are")
         if x.dtype != torch.float64 or not torch.equal(x, data.x[idx]):
             fail(ex, f"batch {k}'s x to be its samples stacked, unchanged (float64)",
-                 f"dtype {x.dtype}, shape {tuple(x.shape)}, other values",
+                 f"dtype {x.dtype}" if x.dtype != torch.float64 else "other values",
                  "torch.stack the samples as they are: no dtype change, no copy "
                  "into a buffer reused for the next batch")
     if len(got) != len(want):
@@ -976,18 +1142,20 @@ def _check_ahead_batches(ex: str, data: TracedSamples, bs: int, got: list,
 
 def _check_ahead_trace(ex: str, data: TracedSamples, bs: int, workers: int,
                        run: dict, setting: str) -> None:
-    trace, handed = sorted(data.trace), run["handed"]
+    trace = sorted(data.trace)
     for start, _end, i, thread in trace:
         if workers == 0 and thread != run["loop_thread"]:
             fail(ex, "with workers=0, every batch loaded by the loop itself",
                  "loads in another thread", "workers=0 means no thread: load each "
                  "batch when the loop asks for it")
-        ready = sum(h < start for h in handed)  # batches handed out before
-        if i // bs > ready + 2 * workers:
-            fail(ex, f"at most {2 * workers} batches loaded ahead of the next one "
-                 f"({setting})",
-                 f"batch {i // bs} started loading when only {ready} had been "
-                 "handed out",
+        # while the loop asks for batch k (k + 1 requests so far), batches up to
+        # k + 2 x workers may load: the one asked for and 2 x workers ahead of it
+        asked = sum(a < start for a in run["asked"])
+        if i // bs > asked - 1 + 2 * workers:
+            fail(ex, f"at most {2 * workers} batches loaded ahead of the one handed "
+                 f"out ({setting})",
+                 f"batch {i // bs} started loading when the loop had asked for "
+                 f"{asked} batch{'es' if asked != 1 else ''}",
                  "keep a bounded queue of 2 x workers batches: start loading a "
                  "batch when one is handed out, not all of them at once")
     edges = sorted([(s, 1) for s, _e, _i, _t in trace]
@@ -1014,14 +1182,14 @@ def check_load_ahead(fn: Callable) -> None:
     """
     ex = "3.3"
     require_solution(ex, fn)
-    for case, (n, bs, workers, load_s, step_s) in enumerate(_AHEAD_CASES):
+    for case, (n, bs, workers, load_s, step_s, shape) in enumerate(_AHEAD_CASES):
         setting = (f"{n} samples in batches of {bs}, workers={workers}, a batch "
                    f"takes {load_s * 1e3:.0f} ms to load and a step "
                    f"{step_s * 1e3:.0f} ms")
         starved, runs = math.inf, 0
         while runs < 3:  # another run only while it starved a little
             runs += 1
-            data = TracedSamples(n, load_s / bs, seed=case)
+            data = TracedSamples(n, load_s / bs, shape=shape, seed=case)
             run = _drive(ex, fn, data, bs, workers, step_s)
             if run["error"] is not None:
                 _raised_in_loop(ex, run["error"])
