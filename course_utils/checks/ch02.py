@@ -94,6 +94,10 @@ MIN_CALLS = 3
 CPU_FACTOR = 1.3  # the stand-in's sleeps are precise: a right answer is close
 GPU_FACTOR = 1.5  # a host timer adds launch and sync overhead to the event time
 SLACK_S = 0.004  # thread wake-ups on a busy machine, not in the worker's sleeps
+# Late wake-ups only lengthen a host timing (two hand-offs per timed call: to the
+# worker and back); on a loaded machine they reach several ms, so the upper
+# bound allows more. A total of several calls still lies above it.
+SLACK_HIGH_S = 0.010
 
 
 class StandInDevice:
@@ -221,7 +225,7 @@ def _judge_measure(ex: str, seconds, work, where: str) -> float:
     # a busy machine wakes threads late: a few ms on top of the factor
     # (the fastest call bounds it from below: a minimum of runs is right too)
     low = min(durations[1:]) / factor - SLACK_S
-    high = steady * factor + SLACK_S
+    high = steady * factor + SLACK_HIGH_S
     if low <= seconds <= high:
         return steady
     expected = f"about {steady * 1e3:.3g} ms per call {where}"
