@@ -173,10 +173,70 @@ def grads_other_group(model):  # a group of rank 0 alone: nobody else's gradient
             p.grad /= dist.get_world_size()
 
 
-@pytest.mark.parametrize("fn", [grads_sum_then_divide, grads_flat, grads_avg_op,
+def grads_functional(model):  # the functional collectives, a new .grad each
+    import torch.distributed._functional_collectives as funcol
+
+    n = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = funcol.wait_tensor(
+                funcol.all_reduce(p.grad, "sum", dist.group.WORLD)) / n
+
+
+def grads_async(model):  # every all_reduce in flight at once, then scaled
+    works = [(p, dist.all_reduce(p.grad, async_op=True))
+             for p in model.parameters() if p.grad is not None]
+    for p, work in works:
+        work.wait()
+        p.grad.mul_(1.0 / dist.get_world_size())
+
+
+def grads_broadcast_rank_0(model):  # rank 0's gradient everywhere
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.broadcast(p.grad, 0)
+
+
+def grads_zero_for_frozen(model):  # gives the frozen bias a zero gradient
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+_averaged_once = set()
+
+
+def grads_once_per_model(model):  # state kept across calls, keyed by the model
+    if id(model) in _averaged_once:
+        return
+    _averaged_once.add(id(model))
+    grads_sum_then_divide(model)
+
+
+def grads_matrices_only(model):  # biases left out
+    for p in model.parameters():
+        if p.grad is not None and p.dim() == 2:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+@pytest.mark.parametrize("fn", [grads_functional, grads_async,
+                                grads_sum_then_divide, grads_flat, grads_avg_op,
                                 GradientAverager(), grads_bucketed_by_dtype])
 def test_average_gradients_accepts(fn):
     check_average_gradients(fn)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (grads_broadcast_rank_0, ["rank 0's own gradient", "broadcast"]),
+    (grads_zero_for_frozen, ["frozen", "None"]),
+    (grads_once_per_model, ["call 2", "unchanged"]),
+    (grads_matrices_only, ["bias", "every parameter"]),
+])
+def test_average_gradients_rejects_more(fn, words):
+    fails(check_average_gradients, fn, *words)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -718,3 +778,50 @@ def test_save_then_load_accepts(fn):
 ])
 def test_save_then_load_rejects(fn, words, short_timeout):
     fails(check_save_then_load, fn, *words)
+
+
+def save_poll_for_file(model, rank, path):  # waits for the file, not for rank 0
+    import time
+
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    while not os.path.exists(path):
+        time.sleep(0.001)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def save_only_rank_1_loads(model, rank, path):  # a hard-coded rank loads
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    dist.barrier()
+    if rank == 1:
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def save_broadcast_no_file(model, rank, path):  # right weights, no checkpoint
+    for p in model.parameters():
+        dist.broadcast(p.data, 0)
+
+
+def save_all_reduce_as_barrier(model, rank, path):  # any collective waits as well
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+    dist.all_reduce(torch.zeros(1))
+    device = str(next(model.parameters()).device)
+    state = torch.load(path, map_location=device, weights_only=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state[name])
+
+
+@pytest.mark.parametrize("fn, words", [
+    (save_poll_for_file, ["complete", "dist.barrier()"]),
+    (save_only_rank_1_loads, ["unchanged", "every rank loads"]),
+    (save_broadcast_no_file, ["file", "torch.save"]),
+])
+def test_save_then_load_rejects_more(fn, words, short_timeout):
+    fails(check_save_then_load, fn, *words)
+
+
+def test_save_then_load_accepts_all_reduce_as_barrier():
+    check_save_then_load(save_all_reduce_as_barrier)

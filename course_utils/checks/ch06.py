@@ -13,6 +13,7 @@ with - not by which names it calls.
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 import tempfile
@@ -151,6 +152,11 @@ def _judge_step(ex: str, ranks: list, world_size: int, step: int) -> None:
                      f"a {got.dtype} result rounded to float32's precision",
                      "keep each gradient's dtype: average p.grad in place, without "
                      ".float() or a float32 buffer")
+            if all(_same(r[1][i], locals_[0][i]) for r in ranks):
+                fail(ex, f"{where}: the mean over the ranks",
+                     "rank 0's own gradient, on every rank",
+                     "a broadcast copies one rank's gradient: all_reduce sums every "
+                     "rank's, then divide by dist.get_world_size()")
             if _same(got, mine):
                 fail(ex, f"{where}: the mean over the ranks",
                      "this rank's own gradient, unchanged",
@@ -561,14 +567,36 @@ def _checkpoint_rank(rank: int, world_size: int, save_then_load: Callable,
     torch.serialization.register_package(
         1, lambda storage: missing_gpu if storage.data_ptr() in ours else None,
         lambda obj, location: None)
+    real_save, wrote = torch.serialization.save, []
+
+    def save(obj, f, *args, **kwargs):
+        """Rank 0's torch.save to ``path`` writes half the file, then waits as
+        a large checkpoint's write takes a while: a rank that waits for the
+        file to exist, not for rank 0, reads it incomplete."""
+        if rank != 0 or str(f) != path:
+            wrote.append(str(f) == path)
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        with open(path, "wb") as out:
+            out.write(data[:len(data) // 2])
+            out.flush()
+            _hold_back(flags, rank, world_size)
+            out.write(data[len(data) // 2:])
+        return None
+
+    torch.save = torch.serialization.save = save
     unpickled = []
     sys.addaudithook(lambda event, args: unpickled.append(args[1])
                      if event == "pickle.find_class" else None)
     try:
         save_then_load(model, rank, path)
     finally:
+        torch.save = torch.serialization.save = real_save
         (flags / f"done{rank}").touch()
-    return before, [p.detach().clone() for p in model.parameters()], bool(unpickled)
+    return (before, [p.detach().clone() for p in model.parameters()], bool(unpickled),
+            any(wrote))
 
 
 def check_save_then_load(save_then_load: Callable) -> None:
@@ -586,6 +614,11 @@ def check_save_then_load(save_then_load: Callable) -> None:
                                 "or while several ranks wrote it",
                                 "only rank 0 saves; every rank waits (dist.barrier()) "
                                 "until the file is complete, then loads"),
+        "EOFError": ("every rank to read a complete checkpoint",
+                     "a rank read it while rank 0 was still writing it (a file that "
+                     "exists is not yet complete)",
+                     "wait on the other ranks (dist.barrier()), not on the file: "
+                     "it exists before torch.save has finished writing it"),
         "Weights only load failed": (
             "a checkpoint of tensors only, loadable with weights_only=True",
             "a file holding a pickled module",
@@ -606,7 +639,8 @@ def check_save_then_load(save_then_load: Callable) -> None:
             written = Path(path).exists()
         setting = f"{world_size} ranks, rank {late} arriving late"
         starts = [r[0] for r in ranks]
-        for rank, (_, after, unpickled) in enumerate(ranks):
+        writers = [q for q, r in enumerate(ranks) if r[3]]
+        for rank, (_, after, unpickled, _) in enumerate(ranks):
             if unpickled:
                 fail(ex, "torch.load(..., weights_only=True)",
                      f"the full unpickler on rank {rank} (weights_only=False)",
@@ -619,13 +653,19 @@ def check_save_then_load(save_then_load: Callable) -> None:
             if same_as == [rank]:
                 fail(ex, f"rank {rank}'s model to hold rank 0's weights afterwards "
                      f"({setting})", "its own weights, unchanged",
-                     "model.load_state_dict(the loaded state)")
+                     "every rank loads the file: model.load_state_dict(torch.load("
+                     "path, ...)) on every rank, rank 0 included")
+            one_writer = ("only rank 0 saves (`if rank == 0:`); ranks writing one "
+                          "file overwrite, or corrupt, each other's")
             if same_as:
                 fail(ex, f"every rank to end with rank 0's weights ({setting})",
                      f"rank {rank} holds rank {same_as[0]}'s weights: rank "
                      f"{same_as[0]} wrote the file, after rank 0 or instead of it",
-                     "only rank 0 saves (`if rank == 0:`); ranks writing one file "
-                     "overwrite, or corrupt, each other's")
+                     one_writer)
+            if writers:
+                fail(ex, f"every rank to end with rank 0's weights ({setting})",
+                     f"other weights on rank {rank}, from a file that rank(s) "
+                     f"{writers} wrote as well as rank 0", one_writer)
             fail(ex, f"every rank to end with rank 0's weights ({setting})",
                  f"other weights on rank {rank}", wait_hint)
         if not written:
