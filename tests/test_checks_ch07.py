@@ -316,7 +316,8 @@ def _float32_only():
 
 
 WRONG_STEPS = {  # name: (answer, words its failure must contain)
-    "never zeroes the gradients": (gpipe_with(zero=False), ("zero_grad", "twice")),
+    "never zeroes the gradients": (gpipe_with(zero=False),
+                                   ("zero_grad", "added to the first")),
     "mean loss per micro-batch": (gpipe_with(loss_fn=mean_per_micro_batch),
                                   ("sum of means",)),
     "means divided by m": (gpipe_with(loss_fn=mean_of_means),
@@ -331,7 +332,7 @@ WRONG_STEPS = {  # name: (answer, words its failure must contain)
     "returns the last micro-batch's loss": (gpipe_with(returned="last"),
                                             ("returned",)),
     "hard-coded width": (gpipe_with(width=7), ("width",)),
-    "loss kept across steps": (KeepsTotal(), ("again",)),
+    "loss kept across steps": (KeepsTotal(), ("second step",)),
     "keeps a detached output": (gpipe_with(keep_detached=True), ("out.detach()",)),
 }
 
@@ -503,7 +504,7 @@ def test_wrong_one_f_one_b_fail(monkeypatch):
     fails(ch07.check_one_f_one_b, drops_a_micro_batch, "once on stage")
     fails(ch07.check_one_f_one_b, last_stage_swapped, "backward before its forward")
     fails(ch07.check_one_f_one_b, lower_case, "once on stage")
-    fails(ch07.check_one_f_one_b, never_ends, "return within")
+    fails(ch07.check_one_f_one_b, never_ends, "once on stage")  # read 2m + 1 ops
     fails(ch07.check_one_f_one_b, first_call_cached, "stage lists")
 
 
@@ -731,5 +732,302 @@ def test_wrong_splits_fail(monkeypatch):
     fails(ch07.check_split_stages, balances_the_fastest, "slowest stage costing")
     fails(ch07.check_split_stages, whole_number_search, "not only whole ones")
     fails(ch07.check_split_stages, sorts_the_costs, "costs left as they were")
-    fails(ch07.check_split_stages, never_ends, "return within")
+    fails(ch07.check_split_stages, never_ends, "more than")  # read p + 1 stages
     fails(ch07.check_split_stages, placeholder, "placeholder")
+
+
+# ---------------------------------------------------------------- more answers
+# 7.1: one step written with switches, each a right or a wrong way to do a part.
+
+
+def step_with(stage, rank, x, y, m, hidden, *, extra_no_grad=False, width="hidden",
+              loss_div="numel", zero="always", one_buffer=False, loss_as="float",
+              barrier=False, wait_twice=False, equal_rows=False, cache_loss=False,
+              grads_reversed_on_1=False):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    if zero == "always" or not getattr(stage, "_zeroed", False):
+        stage.zero_grad()
+        stage._zeroed = True
+    kept, seen, loss, buf = [], [], 0.0, None
+    for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+        if rank == 0:
+            out = stage(xi)
+            dist.send(out.detach(), 1)
+            kept.append(out)
+            continue
+        w = {"hidden": hidden, "model": stage[0].in_features, "seven": 7}[width]
+        if one_buffer:  # one buffer for every micro-batch
+            buf = torch.empty(len(x), w, dtype=x.dtype) if buf is None else buf
+            h = buf[:len(yi)]
+        else:
+            h = torch.empty(len(yi), w, dtype=x.dtype)
+        work = dist.irecv(h, 0)
+        work.wait()
+        if wait_twice:
+            work.wait()
+        h.requires_grad_()
+        out = stage(h)
+        if equal_rows:  # a mean weighed as if every micro-batch had len(x) // m rows
+            part = F.mse_loss(out, yi) * (len(x) // m) / len(x)
+        else:
+            part = F.mse_loss(out, yi, reduction="sum") / (
+                y.numel() if loss_div == "numel" else y.shape[0])
+        kept.append((h, part))
+        seen.append(h.detach())
+        loss = loss + (part if loss_as == "tensor" else part.item())
+    if barrier:
+        dist.barrier()
+    if rank == 1 and grads_reversed_on_1:
+        kept.reverse()
+    for item in kept:
+        if rank == 0:
+            g = torch.empty_like(item)
+            dist.recv(g, 1)
+            item.backward(g)
+        else:
+            item[1].backward()
+            dist.send(item[0].grad, 0)
+    if rank == 0:
+        return None
+    if extra_no_grad:  # the loss again, from a whole-batch forward without a graph
+        with torch.no_grad():
+            loss = F.mse_loss(stage(torch.cat(seen)), y).item()
+    if cache_loss:
+        return stage.__dict__.setdefault("_loss", float(loss))
+    return loss
+
+
+@pytest.mark.parametrize("kw", [dict(extra_no_grad=True), dict(width="model"),
+                                dict(loss_as="tensor", barrier=True),
+                                dict(zero="always", loss_as="tensor", width="model")])
+def test_more_right_two_stage_steps_pass(kw):
+    ch07.check_two_stage_step(functools.partial(step_with, **kw))
+
+
+MORE_WRONG_STEPS = {  # name: (switches, words its failure must contain)
+    "divides by the rows, not the elements": (dict(loss_div="rows"),
+                                             ("stage 1's gradients",)),
+    "zeroes the gradients only once": (dict(zero="once"), ("added to the first",)),
+    "one receive buffer for every micro-batch": (dict(one_buffer=True),
+                                                 ("new buffer of its own",)),
+    "mean weighed as equal micro-batches": (dict(equal_rows=True),
+                                            ("stage 1's gradients",)),
+    "returns the first step's loss again": (dict(cache_loss=True),
+                                            ("first step's loss", "no state")),
+    "gradients sent back in reverse order": (dict(grads_reversed_on_1=True),
+                                             ("order",)),
+    "hard-coded width 7": (dict(width="seven"), ("width",)),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE_WRONG_STEPS))
+def test_more_wrong_two_stage_steps_fail(name):
+    kw, words = MORE_WRONG_STEPS[name]
+    fails(ch07.check_two_stage_step, functools.partial(step_with, **kw), *words)
+
+
+def test_receive_waited_twice_fails_by_timeout(monkeypatch):
+    monkeypatch.setattr(ch07, "TIMEOUT_S", 15.0)  # it waits for ever: not 45 s
+    fails(ch07.check_two_stage_step, functools.partial(step_with, wait_twice=True),
+          "both ranks to finish", "once")
+
+
+# 7.2
+
+
+def one_f_one_b_slots(p, m):  # a stage runs a forward while it holds fewer than p - s
+    out = []
+    for s in range(p):
+        fwd, bwd, ops = list(range(m)), list(range(m)), []
+        while fwd or bwd:
+            if fwd and len(ops) - 2 * (m - len(bwd)) < p - s:
+                ops.append(["F", fwd.pop(0)])
+            else:
+                ops.append(["B", bwd.pop(0)])
+        out.append(ops)
+    return tuple(out)
+
+
+def one_f_one_b_numpy(p, m):  # numpy micro-batch numbers, stages as a generator
+    import numpy as np
+    for ops in one_f_one_b_ref(p, m):
+        yield iter([(k, np.int64(i)) for k, i in ops])
+
+
+@pytest.mark.parametrize("fn", [one_f_one_b_slots, one_f_one_b_numpy])
+def test_more_right_one_f_one_b_pass(fn):
+    ch07.check_one_f_one_b(fn)
+
+
+def test_more_wrong_one_f_one_b_fail(monkeypatch):
+    monkeypatch.setattr(ch07, "CALL_S", 2.0)
+    known = [(2, 4), (3, 5), (4, 8), (3, 3), (4, 2), (1, 3), (5, 7), (2, 1), (6, 1),
+             (8, 3), (6, 13)]
+
+    def table(p, m):  # right for the cases it has seen, GPipe elsewhere
+        if (p, m) in known:
+            return one_f_one_b_ref(p, m)
+        return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+                for _ in range(p)]
+
+    def forward_first(p, m):  # after the warm-up, F before B: one too many held
+        order = []
+        for s in range(p):
+            warm = min(p - s, m)
+            ops, f = [("F", i) for i in range(warm)], warm
+            for b in range(m):
+                if f < m:
+                    ops.append(("F", f))
+                    f += 1
+                ops.append(("B", b))
+            order.append(ops)
+        return order
+
+    def warmup_without_min(p, m):  # p - s forwards even when m is smaller
+        order = []
+        for s in range(p):
+            ops, f = [("F", i) for i in range(p - s)], p - s
+            for b in range(m):
+                ops.append(("B", b))
+                if f < m:
+                    ops.append(("F", f))
+                    f += 1
+            order.append(ops)
+        return order
+
+    def endless_stages(p, m):  # every stage an endless iterator
+        return [itertools.cycle([("F", 0)]) for _ in range(p)]
+
+    def endless_lists(p, m):  # endless stage lists
+        return itertools.repeat([("F", 0), ("B", 0)])
+
+    def three_stages(p, m):  # the world size of the real run, hard-coded
+        return one_f_one_b_ref(3, m)
+
+    for _ in range(3):  # the drawn cases differ every time
+        fails(ch07.check_one_f_one_b, table, "in flight")
+    fails(ch07.check_one_f_one_b, forward_first, "in flight")
+    fails(ch07.check_one_f_one_b, warmup_without_min, "once on stage")
+    fails(ch07.check_one_f_one_b, endless_stages, "once on stage")
+    fails(ch07.check_one_f_one_b, endless_lists, "more than")
+    fails(ch07.check_one_f_one_b, three_stages, "stage lists")
+
+
+# 7.3
+
+
+def split_lru(costs, p):  # memoised recursion, stages as ranges in a tuple
+    pre = list(itertools.accumulate(costs, initial=0.0))
+    n = len(costs)
+
+    @functools.lru_cache(None)
+    def best(i, q):
+        if q == 1:
+            return pre[n] - pre[i], (n,)
+        return min((max(pre[j] - pre[i], best(j, q - 1)[0]), (j, *best(j, q - 1)[1]))
+                   for j in range(i + 1, n - q + 2))
+
+    cuts = (0, *best(0, p)[1])
+    return tuple(range(a, b) for a, b in itertools.pairwise(cuts))
+
+
+def split_fractions(costs, p):  # exact arithmetic on Fractions
+    from fractions import Fraction
+    return split_lru([Fraction(c) for c in costs], p)
+
+
+class NumpySplitter:  # every choice of cuts, numpy arrays of layer indices
+    def __call__(self, costs, p):
+        import numpy as np
+        c, n, best = np.asarray(costs, dtype=np.float64), len(costs), None
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            parts = np.split(np.arange(n), cuts)
+            worst = max(c[q].sum() for q in parts)
+            if best is None or worst < best[0]:
+                best = (worst, parts)
+        return best[1]
+
+
+def split_generator(costs, p):  # a lazy answer, read to its end
+    return (list(stage) for stage in split_lru(list(costs), p))
+
+
+@pytest.mark.parametrize("fn", [split_lru, split_fractions, NumpySplitter(),
+                                split_generator])
+def test_more_right_splits_pass(fn):
+    for _ in range(3):  # the drawn cases differ every time
+        ch07.check_split_stages(fn)
+
+
+def test_more_wrong_splits_fail(monkeypatch):
+    monkeypatch.setattr(ch07, "CALL_S", 2.0)
+
+    def every_split(costs, p, score):
+        n, best = len(costs), None
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            edges = [0, *cuts, n]
+            sums = [sum(costs[a:b]) for a, b in itertools.pairwise(edges)]
+            if best is None or score(sums) < best[0]:
+                best = (score(sums), edges)
+        return [list(range(a, b)) for a, b in itertools.pairwise(best[1])]
+
+    def least_squares(costs, p):  # the least sum of squared stage costs
+        return every_split(costs, p, lambda sums: sum(s * s for s in sums))
+
+    def least_spread(costs, p):  # the least gap between the slowest and the fastest
+        return every_split(costs, p, lambda sums: max(sums) - min(sums))
+
+    def loose_bisection(costs, p):  # bisection over real limits, stopped at 1e-2
+        def stages_for(limit):
+            out, run = [[]], 0.0
+            for i, c in enumerate(costs):
+                if run + c > limit and out[-1]:
+                    out.append([])
+                    run = 0.0
+                out[-1].append(i)
+                run += c
+            return out
+        lo, hi = max(costs), sum(costs)
+        while hi - lo > 1e-2:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if len(stages_for(mid)) <= p else (mid, hi)
+        stages = stages_for(hi)
+        while len(stages) < p:
+            k = max(range(len(stages)), key=lambda j: len(stages[j]))
+            stages[k:k + 1] = [stages[k][:1], stages[k][1:]]
+        return stages
+
+    def prefix_cuts(costs, p):  # layer i goes to stage prefix / (total / p)
+        total, stages, run = sum(costs), [[] for _ in range(p)], 0.0
+        for i, c in enumerate(costs):
+            stages[min(p - 1, int(run / (total / p)))].append(i)
+            run += c
+        return stages
+
+    def halving(costs, p):  # the best single cut, then each half again
+        def go(lo, hi, q):
+            if q == 1:
+                return [list(range(lo, hi))]
+            a, b = q // 2, q - q // 2
+            cut = min(range(lo + a, hi - b + 1), key=lambda c: abs(
+                sum(costs[lo:c]) / a - sum(costs[c:hi]) / b))
+            return go(lo, cut, a) + go(cut, hi, b)
+        return go(0, len(costs), p)
+
+    remembered = {}
+
+    def first_answer_kept(costs, p):  # answers every call with the first answer
+        return remembered.setdefault("first", split_lru(list(costs), p))
+
+    def endless_stages(costs, p):
+        return itertools.repeat([0])
+
+    fails(ch07.check_split_stages, least_squares, "slowest stage costing 11")
+    fails(ch07.check_split_stages, least_spread, "slowest stage costing 13")
+    fails(ch07.check_split_stages, loose_bisection, "slowest stage costing 1.504")
+    fails(ch07.check_split_stages, prefix_cuts, "no empty stage")
+    fails(ch07.check_split_stages, halving, "slowest stage costing")
+    fails(ch07.check_split_stages, first_answer_kept, "no state")
+    fails(ch07.check_split_stages, endless_stages, "more than")

@@ -3,19 +3,23 @@
 7.1 runs the learner's two-stage training step in two real processes
 (``course_utils.dist.launch``, gloo) on models of several widths, in float32
 and float64, with 1 to 5 micro-batches (some of unequal sizes), twice in a
-row on the same stages; the loss and both stages' gradients must equal one
-process's on the whole batch, and each stage must see the batch as ``m``
-micro-batches. 7.2 runs the learner's 1F1B orders on a simulator (complete,
-feasible, as short as a pipeline can be, within 1F1B's memory bound), then on
-three real processes, which count the micro-batches each stage holds and
-compare the gradients with one process. 7.3 checks a stage split against the
-best possible one on seeded and hand-made layer costs, integers and floats of
-mixed magnitudes, from one stage to one layer per stage. The learner's code
-runs only under a timeout: inside the ranks' launch, or in a thread.
+row on the same stages, the second time on other data; the loss and both
+stages' gradients must equal one process's on the whole batch, and each stage
+must see the batch as ``m`` micro-batches (forwards without a graph are extra
+work and not counted). 7.2 runs the learner's 1F1B orders on a simulator
+(complete, feasible, as short as a pipeline can be, within 1F1B's memory
+bound) for fixed and freshly drawn ``(p, m)``, then on three real processes,
+which count the micro-batches each stage holds and compare the gradients with
+one process. 7.3 checks a stage split against the best possible one on seeded,
+hand-made and freshly drawn layer costs, integers and floats of mixed
+magnitudes, from one stage to one layer per stage. The learner's code runs
+only under a timeout: inside the ranks' launch, or in a thread; a lazy answer
+is read no further than one item past what a right answer holds.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import threading
@@ -65,14 +69,19 @@ STEP_CASES = [
 ]
 
 
-def _case_data(k: int):
-    """The stages, the whole model and (x, y) of case k, the same in every process."""
+def _case_data(k: int, call: int = 0):
+    """The stages and (x, y) of case k, the same in every process; the second
+    call of a step gets other data for the same stages. Stage 1 starts with a
+    linear layer, which keeps its input for the backward: a receive buffer
+    reused by the next micro-batch changes that input."""
     _, dtype, d_in, hidden, d_out, rows, _ = STEP_CASES[k]
     torch.manual_seed(70 + k)
     first = torch.nn.Sequential(torch.nn.Linear(d_in, 6), torch.nn.Tanh(),
                                 torch.nn.Linear(6, hidden)).to(dtype)
-    second = torch.nn.Sequential(torch.nn.Tanh(),
-                                 torch.nn.Linear(hidden, d_out)).to(dtype)
+    second = torch.nn.Sequential(torch.nn.Linear(hidden, 5), torch.nn.Tanh(),
+                                 torch.nn.Linear(5, d_out)).to(dtype)
+    if call:
+        torch.manual_seed(170 + k)
     x = torch.randn(rows, d_in, dtype=dtype)
     y = torch.randn(rows, d_out, dtype=dtype)
     if dtype == torch.float64:  # columns from 1e-3 to 1e2: float32 would show
@@ -82,16 +91,18 @@ def _case_data(k: int):
 
 
 def _step_rank(rank: int, world_size: int, two_stage_step: Callable):
-    """Each case twice on the same stage: rows seen, gradients, returned loss."""
+    """Each case twice on the same stage, the second time on other data: rows
+    seen by the forwards that build a graph, gradients, returned loss."""
     seen = []
     for k, (name, _, _, hidden, _, _, m) in enumerate(STEP_CASES):
         stage = _case_data(k)[rank]
-        x, y = _case_data(k)[2:]
         rows: list[list[int]] = []
         stage.register_forward_hook(lambda mod, args, out, rows=rows: rows[-1].append(
-            args[0].shape[0] if args and hasattr(args[0], "shape") else -1))
+            args[0].shape[0] if args and hasattr(args[0], "shape") else -1)
+            if torch.is_grad_enabled() else None)  # a no_grad forward is extra work
         calls = []
-        for _ in range(2):
+        for call in range(2):
+            x, y = _case_data(k, call)[2:]
             rows.append([])
             try:
                 value = two_stage_step(stage, rank, x.clone(), y.clone(), m, hidden)
@@ -108,10 +119,10 @@ def _step_rank(rank: int, world_size: int, two_stage_step: Callable):
 
 
 def _whole_batch(k: int, loss_kind: str = "mean", boundary: str = "right",
-                 split: str = "chunk"):
-    """Loss and gradients of case k in one process; the other kinds are the
-    typical mistakes, for the hint."""
-    first, second, x, y = _case_data(k)
+                 split: str = "chunk", call: int = 0):
+    """Loss and gradients of case k (data of the given call) in one process;
+    the other kinds are the typical mistakes, for the hint."""
+    first, second, x, y = _case_data(k, call)
     m = STEP_CASES[k][6]
     cut = (lambda t: t.chunk(m)) if split == "chunk" else (
         lambda t: t.tensor_split(m))
@@ -191,8 +202,9 @@ def _judge_step(ex: str, k: int, ranks: list) -> None:
                  f"{loss:.6g}", "return the sum of every micro-batch's share of "
                  "the loss (the same numbers you call backward on), not the last one")
         fail(ex, f"stage 1's gradients equal to one process on the whole batch {case}",
-             "other values", "receive the activation, mark it requires_grad_(), "
-             "run stage 1 and the loss, and backward each micro-batch once")
+             "other values", "receive each micro-batch's activation into a new "
+             "buffer of its own, mark it requires_grad_(), run stage 1 and the "
+             "loss, and backward each micro-batch once")
     grads0 = ranks[0][k]["calls"][0]["grads"]
     if not _all_close(grads0, want[0], dtype):
         if all(g is None for g in grads0):
@@ -208,23 +220,29 @@ def _judge_step(ex: str, k: int, ranks: list) -> None:
              "other values", "stage 1 sends back the gradient of its input "
              "(h.grad), in the order stage 0 expects, and stage 0 calls "
              "out.backward(grad) with it on the same micro-batch's output")
+    again_want_loss, again_want = _whole_batch(k, call=1)
     again_loss = calls1[1]["loss"]
-    if again_loss is None or not math.isclose(again_loss, want_loss, rel_tol=1e-4):
-        fail(ex, f"the same loss, {want_loss:.6g}, when the step runs again {case}",
-             f"{again_loss!r:.12}", "keep no state between steps: the loss of a "
-             "step is the sum of that step's micro-batch losses")
+    if again_loss is None or not math.isclose(again_loss, again_want_loss,
+                                              rel_tol=1e-4):
+        fail(ex, f"the loss of the second step, on other data, {again_want_loss:.6g} "
+             f"{case}", f"{again_loss!r:.12}" + (
+                 " (the first step's loss)" if again_loss is not None
+                 and math.isclose(again_loss, want_loss, rel_tol=1e-4) else ""),
+             "keep no state between steps: the loss of a step is the sum of that "
+             "step's micro-batch losses")
     for rank in (0, 1):
         again = ranks[rank][k]["calls"][1]["grads"]
-        if _all_close(again, want[rank], dtype):
+        if _all_close(again, again_want[rank], dtype):
             continue
-        doubled = [None if g is None else 2 * g for g in want[rank]]
-        if _all_close(again, doubled, dtype):
-            fail(ex, f"the same gradients when the step runs again on the same "
-                 f"stage {case}", f"twice as large on rank {rank}: the second "
-                 "step added to the first", "set the gradients to zero at the start "
-                 "of the step (stage.zero_grad())")
-        fail(ex, f"the same gradients when the step runs again {case}",
-             f"other values on rank {rank} the second time",
+        summed = [None if a is None else a + b
+                  for a, b in zip(want[rank], again_want[rank], strict=True)]
+        if _all_close(again, summed, dtype):
+            fail(ex, f"the second step's gradients, on other data, on the same "
+                 f"stage {case}", f"the sum of both steps' gradients on rank {rank}: "
+                 "the second step added to the first", "set the gradients to zero "
+                 "at the start of the step (stage.zero_grad())")
+        fail(ex, f"the second step's gradients, on other data, on the same stage "
+             f"{case}", f"other values on rank {rank} the second time",
              "keep no state between steps: everything a step needs is local to it")
 
 
@@ -237,7 +255,14 @@ def check_two_stage_step(two_stage_step: Callable) -> None:
             "each receive buffer of the shape and dtype that was sent",
             "a receive of another size than the send",
             "a buffer of (rows of this micro-batch, hidden) in x.dtype on stage 1; "
-            "like(out) for the gradient on stage 0"),
+            "like(out) for the gradient on stage 0; and each rank receives the "
+            "messages in the order the other sends them (the gradients in the "
+            "order of the kept outputs)"),
+        "modified by an inplace operation": (
+            "each micro-batch's activation to stay as it was received",
+            "a receive that overwrote a tensor an earlier micro-batch's backward "
+            "still needs", "give every micro-batch its own receive buffer "
+            "(torch.empty(...) inside the loop)"),
         "NoneType": ("every tensor sent to exist", "None sent or used",
                      "mark the received activation requires_grad_() before "
                      "running stage 1, so that backward leaves h.grad to send back"),
@@ -279,7 +304,9 @@ def check_two_stage_step(two_stage_step: Callable) -> None:
              "a blocking send waits until the other rank receives: if both ranks "
              "send first, or receive first, both wait for ever. Post the receives "
              "in the order the other rank sends (all forwards, then all "
-             "backwards), or use dist.batch_isend_irecv")
+             "backwards), or use dist.batch_isend_irecv; and wait() on each "
+             "request once (waiting again on a finished gloo receive never "
+             "returns)")
     for k in range(len(STEP_CASES)):
         _judge_step(ex, k, ranks)
     passed(ex, f"{len(STEP_CASES)} models in float32 and float64, 1 to 5 "
@@ -289,8 +316,18 @@ def check_two_stage_step(two_stage_step: Callable) -> None:
 
 # ---------------------------------------------------------------- exercise 7.2
 
-SCHEDULE_CASES = [(2, 4), (3, 5), (4, 8), (3, 3), (4, 2), (1, 3), (5, 7)]
+SCHEDULE_CASES = [(2, 4), (3, 5), (4, 8), (3, 3), (4, 2), (1, 3), (5, 7),
+                  (2, 1), (6, 1), (8, 3), (6, 13)]
 REAL_CASE = (3, 5)  # run on 3 processes
+DRAWN_CASES = 3  # and this many other (p, m), drawn afresh for every check
+
+
+def _schedule_cases() -> list[tuple[int, int]]:
+    """The fixed cases, then cases no list of answers can know in advance."""
+    rng = random.Random()
+    others = [(p, m) for p in range(2, 9) for m in range(1, 17)
+              if (p, m) not in SCHEDULE_CASES]
+    return [*SCHEDULE_CASES, *rng.sample(others, DRAWN_CASES)]
 
 
 def simulate(order: list[list[tuple[str, int]]], p: int, m: int):
@@ -323,20 +360,23 @@ def simulate(order: list[list[tuple[str, int]]], p: int, m: int):
     return max(when.values()) + 1, when
 
 
-def _as_order(got) -> list[list[tuple[str, int]]]:
-    """The learner's result as plain lists (raises TypeError/ValueError)."""
-    return [[(str(k), int(i)) for k, i in stage] for stage in got]
+def _as_order(got, p: int, m: int) -> list[list[tuple[str, int]]]:
+    """The learner's result as plain lists (raises TypeError/ValueError); a lazy
+    result is read no further than one stage and one operation too many."""
+    return [[(str(k), int(i)) for k, i in itertools.islice(stage, 2 * m + 1)]
+            for stage in itertools.islice(got, p + 1)]
 
 
 def _validate(ex, fn, p, m):
     case = f"p={p} stages, m={m} micro-batches"
     try:
-        order = _guarded(ex, fn, _as_order, p, m)
+        order = _guarded(ex, fn, lambda got: _as_order(got, p, m), p, m)
     except (TypeError, ValueError) as e:
         fail(ex, "a list per stage of ('F' or 'B', micro-batch) pairs",
              f"{type(e).__name__}: {e}"[:100])
     if len(order) != p:
-        fail(ex, f"{p} stage lists ({case})", f"{len(order)}",
+        fail(ex, f"{p} stage lists ({case})",
+             f"{len(order)}" if len(order) <= p else f"more than {p}",
              "one list per stage, for any p")
     for s, ops in enumerate(order):
         want = sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
@@ -430,7 +470,7 @@ def check_one_f_one_b(one_f_one_b: Callable) -> None:
     ex = "7.2"
     require_solution(ex, one_f_one_b)
     orders = {}
-    for p, m in [*SCHEDULE_CASES, SCHEDULE_CASES[1]]:  # the second case again
+    for p, m in [*_schedule_cases(), SCHEDULE_CASES[1]]:  # the second case again
         order = _validate(ex, one_f_one_b, p, m)
         if orders.setdefault((p, m), order) != order:
             fail(ex, f"the same orders when called again with p={p}, m={m}",
@@ -498,7 +538,12 @@ def _split_cases() -> list[tuple[list[float], int]]:
              ([0.3, 0.1, 0.2, 0.25, 0.15], 1),            # one stage: everything
              ([0.1, 0.7, 0.2, 0.4, 0.05, 0.3, 0.6], 3),    # fractions
              ([1e-3, 5e2, 2e-3, 1e3, 3.0, 0.5, 7e2, 4e-2], 4),  # mixed magnitudes
-             ([2.5, 0.5, 0.5, 0.5, 0.5, 0.5, 2.5], 2)]     # half-integers
+             ([2.5, 0.5, 0.5, 0.5, 0.5, 0.5, 2.5], 2),     # half-integers
+             # the least sum of squares, or the least spread, is not the least max
+             ([5.0, 7.0, 4.0, 2.0, 4.0, 5.0], 3),
+             ([6.0, 2.0, 5.0, 9.0, 5.0], 3),
+             # costs 1e-3 apart: a search that stops 1e-2 short cuts one layer late
+             ([0.004, 1.0, 0.5, 0.002, 1.0, 0.003], 2)]
     for n, p in ((9, 3), (13, 4), (16, 5), (11, 2), (20, 3)):
         cases.append(([float(rng.randint(1, 9)) for _ in range(n)], p))
     for n, p in ((12, 4), (15, 3)):
@@ -506,8 +551,22 @@ def _split_cases() -> list[tuple[list[float], int]]:
     return cases
 
 
-def _as_stages(got) -> list[list[int]]:
-    return [[int(i) for i in stage] for stage in got]
+def _drawn_split_cases(k: int = 2) -> list[tuple[list[float], int]]:
+    """Cases drawn afresh for every check: no list of answers knows them."""
+    rng = random.Random()
+    cases = []
+    for _ in range(k):
+        n = rng.randint(6, 14)
+        cases.append(([round(rng.uniform(0.01, 9.0), 3) for _ in range(n)],
+                      rng.randint(2, 5)))
+    return cases
+
+
+def _as_stages(got, p: int, n: int) -> list[list[int]]:
+    """Plain lists; a lazy result is read no further than one stage and one
+    layer too many."""
+    return [[int(i) for i in itertools.islice(stage, n + 1)]
+            for stage in itertools.islice(got, p + 1)]
 
 
 def check_split_stages(split_stages: Callable) -> None:
@@ -515,21 +574,31 @@ def check_split_stages(split_stages: Callable) -> None:
     as cheap as possible."""
     ex = "7.3"
     require_solution(ex, split_stages)
-    cases = _split_cases()
+    cases = [*_split_cases(), *_drawn_split_cases()]
+    answers: list[list[list[int]]] = []
     for costs, p in [*cases, cases[0]]:  # the first case again at the end
         n = len(costs)
         case = f"costs {costs}, p={p}"
         given = list(costs)
         try:
-            stages = _guarded(ex, split_stages, _as_stages, given, p)
+            stages = _guarded(ex, split_stages,
+                              lambda got, p=p, n=n: _as_stages(got, p, n),
+                              given, p)
         except (TypeError, ValueError) as e:
             fail(ex, "a list of stages, each a list of layer indices",
                  f"{type(e).__name__}: {e}"[:100])
+        flat = [i for stage in stages for i in stage]
+        if stages in answers and (len(stages) != p or sorted(flat) != list(range(n))):
+            fail(ex, f"a split of these {n} layers into {p} stages ({case})",
+                 f"stages {stages}, an answer you returned for an earlier call",
+                 "keep no state between calls: work from the costs and p given")
+        answers.append(stages)
         if given != costs:
             fail(ex, f"the costs left as they were ({case})", f"costs {given}",
                  "work on a copy: the caller still needs its list")
         if len(stages) != p:
-            fail(ex, f"{p} stages ({case})", f"{len(stages)} stages",
+            fail(ex, f"{p} stages ({case})", f"{len(stages)} stages" if len(stages) <= p
+                 else f"more than {p} stages",
                  "one list of layers per stage, p of them")
         if any(not stage for stage in stages):
             fail(ex, f"no empty stage ({case})", f"stages {stages}",
