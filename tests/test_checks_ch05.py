@@ -1,12 +1,16 @@
 """Chapter 5's checkers: right answers written differently pass, wrong ones fail
 with a message that names the mistake."""
 
+import concurrent.futures as cf
 import copy
+import functools
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from torch import nn
 from torch.func import functional_call
 
@@ -386,7 +390,23 @@ def test_wrong_applies_fail():
         return list(state)
 
     def timeout_each(fns, inputs, timeout=60):  # `timeout` per thread, not in all
-        return apply_list_comp(fns, inputs, timeout * 3 * len(fns))
+        outs, errors = [None] * len(fns), []
+
+        def go(i):
+            try:
+                outs[i] = fns[i](*inputs[i])
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        ts = [threading.Thread(target=go, args=(i,), daemon=True)
+              for i in range(len(fns))]
+        [t.start() for t in ts]
+        for t in ts:
+            t.join(timeout)
+        if any(t.is_alive() for t in ts):
+            raise TimeoutError
+        if errors:
+            raise errors[0]
+        return outs
 
     def first_inline(fns, inputs, timeout=60):  # the first in the caller's thread
         others = [threading.Thread(target=fns[i], args=inputs[i])
@@ -520,3 +540,250 @@ def test_wrong_predictions_fail():
     fails(ch05.check_predict_dp_bytes, four_devices, "one per device")
     fails(ch05.check_predict_dp_bytes, replica0_params_twice, "on device 0")
     fails(ch05.check_predict_dp_bytes, momentum_as_two, "momentum keeps one")
+
+
+# ------------------------------------------------- more answers, written apart
+
+
+def replicas_leaves_swapped_out(module, devices):  # non-leaf copies set as attributes
+    reps = []
+    for i, _ in enumerate(devices):
+        r = copy.deepcopy(module)
+        for name, p in module.named_parameters():
+            *path, leaf = name.split(".")
+            owner = r.get_submodule(".".join(path))
+            del owner._parameters[leaf]
+            setattr(owner, leaf, p.clone())
+        for name, b in module.named_buffers():
+            *path, leaf = name.split(".")
+            r.get_submodule(".".join(path))._buffers[leaf] = b if i == 0 else b.clone()
+        reps.append(r)
+    return reps
+
+
+def replicas_times_one(module, devices):  # p * 1: a differentiable copy too
+    reps = []
+    for i, _ in enumerate(devices):
+        tensors = {k: p * 1 for k, p in module.named_parameters()}
+        tensors |= {k: b if i == 0 else b.detach().clone()
+                    for k, b in module.named_buffers()}
+        reps.append(functools.partial(torch.func.functional_call,
+                                      copy.deepcopy(module), tensors))
+    return reps
+
+
+class LazyReplicas:  # an iterable, read by the checker
+    def __init__(self, module, devices):
+        self.module, self.devices = module, list(devices)
+
+    def __iter__(self):
+        for i, d in enumerate(self.devices):
+            shell = copy.deepcopy(self.module)
+            t = {k: p.to(d, copy=True) for k, p in self.module.named_parameters()}
+            t |= {k: b if i == 0 else b.to(d, copy=True)
+                  for k, b in self.module.named_buffers()}
+            yield lambda x, s=shell, t=t: functional_call(s, t, x)
+
+
+def replicas_generator(module, devices):
+    return iter(LazyReplicas(module, devices))
+
+
+@pytest.mark.parametrize("fn", [replicas_leaves_swapped_out, replicas_times_one,
+                                LazyReplicas, replicas_generator])
+def test_more_right_replicas_pass(fn):
+    ch05.check_make_replicas(fn)
+
+
+def _copies(module, i):
+    t = {k: p.clone() for k, p in module.named_parameters()}
+    return t | {k: b if i == 0 else b.clone() for k, b in module.named_buffers()}
+
+
+def _calling(shell, tensors, cast=None):
+    def replica(x):
+        return functional_call(shell, tensors, (x if cast is None else x.to(cast),))
+    return replica
+
+
+def test_more_wrong_replicas_fail():
+    def the_module_itself_swapped(module, devices):  # functional_call on `module`
+        return [_calling(module, _copies(module, i)) for i, _ in enumerate(devices)]
+
+    def one_shell_for_all(module, devices):
+        shell = copy.deepcopy(module)
+        return [_calling(shell, _copies(module, i)) for i, _ in enumerate(devices)]
+
+    def module_made_float32(module, devices):  # .float() converts it in place
+        module.float()
+        return [_calling(copy.deepcopy(module), _copies(module, i), torch.float32)
+                for i, _ in enumerate(devices)]
+
+    def eval_copies(module, devices):
+        return [copy.deepcopy(module).eval() for _ in devices]
+
+    def module_behind_a_lock(module, devices):
+        lock = threading.Lock()
+
+        def run(x):
+            with lock:
+                return module(x)
+        return [run for _ in devices]
+
+    def gradient_divided(module, devices):  # averaged instead of summed
+        n = len(devices)
+
+        def rep(i):
+            s, t = copy.deepcopy(module), _copies(module, i)
+
+            def f(x):
+                y = functional_call(s, t, (x,))
+                return y.detach() + (y - y.detach()) / n
+            return f
+        return [rep(i) for i, _ in enumerate(devices)]
+
+    def under_no_grad(module, devices):
+        def rep(i):
+            s, t = copy.deepcopy(module), _copies(module, i)
+
+            def f(x):
+                with torch.no_grad():
+                    return functional_call(s, t, (x,))
+            return f
+        return [rep(i) for i, _ in enumerate(devices)]
+
+    def module_then_deepcopies(module, devices):
+        return [module] + [copy.deepcopy(module) for _ in devices[1:]]
+
+    fails(ch05.check_make_replicas, the_module_itself_swapped, "left in place")
+    fails(ch05.check_make_replicas, one_shell_for_all, "share one module object")
+    fails(ch05.check_make_replicas, module_made_float32, "left in its dtype")
+    fails(ch05.check_make_replicas, eval_copies, "gradient")
+    fails(ch05.check_make_replicas, module_behind_a_lock, "replica 0's update")
+    fails(ch05.check_make_replicas, gradient_divided, "summed")
+    fails(ch05.check_make_replicas, under_no_grad, "does not require grad")
+    fails(ch05.check_make_replicas, module_then_deepcopies, "summed")
+
+
+def apply_futures_wait(fns, inputs, timeout=60):
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, len(fns)))
+    try:
+        futures = [pool.submit(f, *a) for f, a in zip(fns, inputs, strict=True)]
+        _, pending = cf.wait(futures, timeout=timeout)
+        if pending:
+            raise TimeoutError("still running")
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False)
+
+
+class ResultThread(threading.Thread):
+    def __init__(self, f, args):
+        super().__init__(daemon=True)
+        self.f, self.args, self.out, self.err = f, args, None, None
+
+    def run(self):
+        try:
+            self.out = self.f(*self.args)
+        except BaseException as e:  # noqa: BLE001
+            self.err = e
+
+
+def apply_thread_subclass(fns, inputs, timeout=60):
+    ts = [ResultThread(f, a) for f, a in zip(fns, inputs, strict=True)]
+    for t in ts:
+        t.start()
+    end = time.perf_counter() + timeout
+    for t in ts:
+        t.join(max(0.0, end - time.perf_counter()))
+    if any(t.is_alive() for t in ts):
+        raise TimeoutError
+    errors = [t.err for t in ts if t.err is not None]
+    if errors:
+        raise errors[0]
+    return [t.out for t in ts]
+
+
+def apply_result_queue(fns, inputs, timeout=60):
+    q = queue.Queue()
+
+    def run(i):
+        try:
+            q.put((i, True, fns[i](*inputs[i])))
+        except Exception as e:  # noqa: BLE001
+            q.put((i, False, e))
+    for i in range(len(fns)):
+        threading.Thread(target=run, args=(i,), daemon=True).start()
+    end, got = time.monotonic() + timeout, {}
+    while len(got) < len(fns):
+        try:
+            i, ok, v = q.get(timeout=max(0.0, end - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError("timed out") from None
+        got[i] = ok, v
+    for i in range(len(fns)):
+        if not got[i][0]:
+            raise got[i][1]
+    return [got[i][1] for i in range(len(fns))]
+
+
+def apply_error_chained(fns, inputs, timeout=60.0):  # raise ... from the thread's
+    try:
+        return apply_thread_subclass(fns, inputs, timeout)
+    except TimeoutError:
+        raise
+    except Exception as e:
+        raise RuntimeError("a function failed") from e
+
+
+@pytest.mark.parametrize("fn", [apply_futures_wait, apply_thread_subclass,
+                                apply_result_queue, apply_error_chained])
+def test_more_right_applies_pass(fn):
+    ch05.check_apply_in_threads(fn)
+
+
+def test_more_wrong_applies_fail():
+    def timeout_in_ms(fns, inputs, timeout=60):
+        return apply_thread_subclass(fns, inputs, timeout / 1000)
+
+    def pool_of_two(fns, inputs, timeout=60):
+        with cf.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(f, *a) for f, a in zip(fns, inputs, strict=True)]
+            return [f.result(timeout=timeout) for f in futures]
+
+    def outputs_float32(fns, inputs, timeout=60):
+        return [o.float() for o in apply_thread_subclass(fns, inputs, timeout)]
+
+    def inputs_float32(fns, inputs, timeout=60):
+        return apply_thread_subclass(fns, [tuple(a.float() if torch.is_tensor(a) else a
+                                                 for a in i) for i in inputs], timeout)
+
+    def timeout_as_runtime_error(fns, inputs, timeout=60):
+        try:
+            return apply_thread_subclass(fns, inputs, timeout)
+        except TimeoutError:
+            raise RuntimeError("timed out") from None
+
+    def timeout_ignored(fns, inputs, timeout=60):
+        return apply_thread_subclass(fns, inputs, 60)
+
+    def endless_generator(fns, inputs, timeout=60):
+        outs = apply_thread_subclass(fns, inputs, timeout)
+        yield from outs
+        while True:
+            yield outs[-1]
+
+    def tuple_passed_whole(fns, inputs, timeout=60):
+        return apply_thread_subclass(fns, [(a,) for a in inputs], timeout)
+
+    fails(ch05.check_apply_in_threads, timeout_in_ms, "in seconds")
+    fails(ch05.check_apply_in_threads, pool_of_two, "at once")
+    fails(ch05.check_apply_in_threads, outputs_float32, "as fns[")
+    fails(ch05.check_apply_in_threads, inputs_float32, "float64")
+    fails(ch05.check_apply_in_threads, timeout_as_runtime_error, "TimeoutError")
+    fails(ch05.check_apply_in_threads, timeout_ignored, "TimeoutError")
+    fails(ch05.check_apply_in_threads, endless_generator, "3 outputs")
+    fails(ch05.check_apply_in_threads, tuple_passed_whole, "unpack")

@@ -65,6 +65,11 @@ def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S, raw: bool = False):
     return ("value", out["value"]) if raw else out["value"]
 
 
+def _first(e: BaseException) -> str:
+    """The first line of an exception's message ("" when it has none)."""
+    return (str(e).splitlines() or [""])[0]
+
+
 class _Pause(nn.Module):
     """A layer that takes a while (a sleep lets the other threads run), so that
     replicas run in threads really overlap, however busy the machine."""
@@ -115,7 +120,7 @@ def _run_replicas_in_threads(ex, replicas, pieces):
     if errors:
         e = errors[0]
         fail(ex, "replicas that run on their pieces, in threads at once",
-             f"a replica raised {type(e).__name__}: {str(e).splitlines()[0]:.100}",
+             f"a replica raised {type(e).__name__}: {_first(e):.100}",
              "each replica: its own module object (a deepcopy) and its own copies "
              "of the module's current parameters, in the module's dtype")
     return outs
@@ -161,6 +166,11 @@ def check_make_replicas(make_replicas) -> None:
                 fail(ex, f"callable replicas: replica(x) ({case})",
                      f"{[type(r).__name__ for r in replicas]}",
                      "return modules, or functions of the input")
+            if any(p.dtype != b.dtype for p, b in zip(mine.parameters(), before,
+                                                      strict=True)):
+                fail(ex, f"the module left in its dtype, {dtype} ({case})",
+                     f"{next(mine.parameters()).dtype}", "no .float() or .to(dtype) "
+                     "on the module: it converts the module in place")
             outs = _run_replicas_in_threads(ex, replicas, pieces)
             now = list(mine.parameters())
             if len(now) != len(params_before) or any(
@@ -200,7 +210,9 @@ def check_make_replicas(make_replicas) -> None:
                     fail(ex, f"the gradients of every replica summed on {name} "
                          f"({case})", f"a gradient {ratio:.3g}x as large",
                          "each replica's copy must come from the original parameter, "
-                         "so that every replica's gradient adds up there")
+                         "so that every replica's gradient adds up there; and no two "
+                         "replicas may share one module object (functional_call swaps "
+                         "its tensors into the module it is given)")
             if any(not torch.equal(p.detach(), b) for p, b in
                    zip(mine.parameters(), before, strict=True)):
                 fail(ex, f"the parameters unchanged ({case})", "changed parameters")
@@ -243,10 +255,12 @@ class _Meeting:
         self.threads = []
         self.finished = []
         self.broken = False
+        self.packed = False  # called with the input tuple itself
 
     def make(self, i, slow=False):
         def fn(x, scale=1.0):
             self.threads.append(threading.get_ident())
+            self.packed |= isinstance(x, (tuple, list))
             try:
                 self.barrier.wait()
             except threading.BrokenBarrierError:
@@ -280,14 +294,22 @@ def check_apply_in_threads(apply_in_threads) -> None:
             fail(ex, f"{n} functions running at once ({case})",
                  "they ran one after the other (they never all met)",
                  "start every thread first, then join them all")
+        if status == "error" and meet.packed:
+            fail(ex, f"fns[i] called with the items of inputs[i] ({case})",
+                 "a function got the tuple itself", "unpack each input tuple: "
+                 "fns[i](*inputs[i])")
         if status == "error":
             e = got
+            if isinstance(e, TimeoutError):
+                fail(ex, f"the outputs, with the default timeout of 60 s ({case})",
+                     "TimeoutError after well under a second",
+                     "`timeout` is in seconds, counted from the start")
             if isinstance(e, threading.BrokenBarrierError) or "Barrier" in repr(e):
                 fail(ex, f"{n} functions running at once ({case})",
                      "they ran one after the other (they never all met)",
                      "start every thread first, then join them all")
             fail(ex, f"apply_in_threads to run ({case})",
-                 f"it raised {type(e).__name__}: {str(e).splitlines()[0]:.80}")
+                 f"it raised {type(e).__name__}: {_first(e):.80}")
         if set(_CALLER) & set(meet.threads):
             fail(ex, f"each function in a thread of its own ({case})",
                  "one ran in the calling thread", "start a thread per function, "
@@ -310,6 +332,9 @@ def check_apply_in_threads(apply_in_threads) -> None:
                  "store each output at its function's index, not in the order "
                  "the threads finish")
         for i, (o, w) in enumerate(zip(got, want, strict=True)):
+            if o.dtype != w.dtype:
+                fail(ex, f"output {i} as fns[{i}] returns it, {w.dtype} ({case})",
+                     f"{o.dtype}", "pass the inputs and the outputs on unchanged")
             if not torch.equal(o, w):
                 fail(ex, f"output {i} = fns[{i}](*inputs[{i}]) ({case})",
                      "another value", "unpack each input tuple: fns[i](*inputs[i])")
@@ -352,12 +377,12 @@ def check_apply_in_threads(apply_in_threads) -> None:
         return x
 
     t0 = time.perf_counter()
-    try:
-        status, got = _apply(ex, apply_in_threads, [stuck, slow],
-                             [(torch.ones(1),), (torch.ones(1),)], 0.5, guard=5)
+    try:  # six stuck: `timeout` for each thread in turn would wait 3 s
+        status, got = _apply(ex, apply_in_threads, [stuck] * 6 + [slow],
+                             [(torch.ones(1),)] * 7, 0.5, guard=8)
     except ExerciseFailed:
         fail(ex, "TimeoutError when a function is still running after `timeout` s",
-             "still waiting after 5 s (timeout was 0.5 s)",
+             "still waiting after 8 s (timeout was 0.5 s)",
              "join each thread with the time left, then check is_alive()")
     finally:
         stop.set()
@@ -367,7 +392,7 @@ def check_apply_in_threads(apply_in_threads) -> None:
              f"{'it returned' if status == 'value' else 'it raised'} "
              f"{type(got).__name__} after {took:.1f} s",
              "join each thread with the time left, then check is_alive()")
-    if took > 2.5:
+    if took > 2.0:
         fail(ex, "to give up after about `timeout` = 0.5 s", f"{took:.1f} s",
              "one deadline for all threads, not `timeout` for each")
     passed(ex, "In order, in threads at once, errors raised, and never stuck.")
