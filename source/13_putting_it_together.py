@@ -636,8 +636,8 @@ print("2 layers on 8 fake ranks, recomputed now: "
 # stage 0: a node's GPUs), keeps this rank's stage of the model
 # (`pipeline_stage`), makes its blocks tensor parallel, and returns a
 # `PipelineStage` on the pipeline group. The checker runs GPipe on 4 ranks
-# with `tp` 2 and 1 and several depths, and compares the loss and every
-# gradient with one process.
+# (`tp` 2 and 1) and on 2 (`tp` 2), at several depths, and compares the loss
+# and every gradient with one process.
 
 # %% tags=["exercise"] exercise="13.1"
 def pp_tp_stage(model, tp):

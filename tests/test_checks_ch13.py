@@ -225,18 +225,25 @@ WRONG_STAGE = {
 
 @pytest.fixture(scope="module")
 def stage_results():
+    """Each answer's results on 4 ranks and on 2, judged together."""
     fns = RIGHT_STAGE + list(WRONG_STAGE)
-    return dict(zip(fns, ch13._run_stage(fns), strict=True))
+    return dict(zip(fns, zip(ch13._run_stage(fns), ch13._run_stage(fns, world=2),
+                             strict=True), strict=True))
+
+
+def judge_both(results):
+    for ranks in results:
+        ch13.judge_stage(ranks)
 
 
 @pytest.mark.parametrize("fn", RIGHT_STAGE, ids=lambda f: getattr(f, "__name__", "cls"))
 def test_stage_right_answers_pass(stage_results, fn):
-    ch13.judge_stage(stage_results[fn])
+    judge_both(stage_results[fn])
 
 
 @pytest.mark.parametrize("fn", list(WRONG_STAGE), ids=lambda f: f.__name__)
 def test_stage_wrong_answers_fail(stage_results, fn):
-    msg = rejected(ch13.judge_stage, stage_results[fn])
+    msg = rejected(judge_both, stage_results[fn])
     assert WRONG_STAGE[fn] in msg, msg
 
 
@@ -1283,16 +1290,41 @@ NEW_WRONG_STAGE = {
 @pytest.fixture(scope="module")
 def new_stage_results():
     fns = NEW_RIGHT_STAGE + list(NEW_WRONG_STAGE)
-    return dict(zip(fns, ch13._run_stage(fns), strict=True))
+    return dict(zip(fns, zip(ch13._run_stage(fns), ch13._run_stage(fns, world=2),
+                             strict=True), strict=True))
 
 
 @pytest.mark.parametrize("fn", NEW_RIGHT_STAGE,
                          ids=lambda f: getattr(f, "__name__", "cls"))
 def test_stage_new_right_answers_pass(new_stage_results, fn):
-    ch13.judge_stage(new_stage_results[fn])
+    judge_both(new_stage_results[fn])
 
 
 @pytest.mark.parametrize("fn", list(NEW_WRONG_STAGE), ids=lambda f: f.__name__)
 def test_stage_new_wrong_answers_fail(new_stage_results, fn):
-    msg = rejected(ch13.judge_stage, new_stage_results[fn])
+    msg = rejected(judge_both, new_stage_results[fn])
     assert NEW_WRONG_STAGE[fn] in msg, msg
+
+
+def wrong_four_ranks(model, tp):  # the world size written in
+    mesh = init_device_mesh("cpu", (4 // tp, tp), mesh_dim_names=("pp", "tp"))
+    i, n = mesh["pp"].get_local_rank(), 4 // tp
+    stage = make_tp(_cut(model, i, n), mesh["tp"])
+    return PipelineStage(stage, i, n, "cpu", group=mesh["pp"].get_group())
+
+
+# (an answer that writes in 4 stages over a mesh of the world size makes the
+# 2-rank launch fail as a whole: a collective mismatch, reported as such)
+WRONG_ON_TWO = {wrong_four_ranks: "dist.get_world_size()"}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    fns = list(WRONG_ON_TWO)
+    return dict(zip(fns, ch13._run_stage(fns, world=2), strict=True))
+
+
+@pytest.mark.parametrize("fn", list(WRONG_ON_TWO), ids=lambda f: f.__name__)
+def test_stage_world_size_written_in_fails_on_two_ranks(two_rank_results, fn):
+    msg = rejected(ch13.judge_stage, two_rank_results[fn])
+    assert WRONG_ON_TWO[fn] in msg, msg

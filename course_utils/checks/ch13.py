@@ -1,7 +1,8 @@
 """Checkers for Chapter 13 (putting it together).
 
-- 13.1: a pipeline x tensor-parallel stage on 4 gloo ranks, for tp 2 and 1
-  and depths 2 and 4, float32 and float64: GPipe's loss and every gradient
+- 13.1: a pipeline x tensor-parallel stage on 4 gloo ranks (tp 2 and 1,
+  depths 2 and 4, float32 and float64) and on 2 (tp 2, one stage of 4
+  blocks): GPipe's loss and every gradient
   against one process, which ranks share a pipeline group and a TP mesh
   (TP ranks adjacent), and that the blocks' weights really are sharded;
 - 13.2: a layout search (FSDP or DDP, recomputation or not) against the
@@ -190,8 +191,9 @@ def _loss(logits, targets):
 
 
 # (tp, layers, dtype, seed)
-STAGE_CASES = ((2, 2, torch.float32, 0), (1, 4, torch.float64, 1),
-               (2, 4, torch.float64, 2))
+STAGE_CASES = ((2, 2, torch.float32, 0), (1, 4, torch.float64, 1))
+# on 2 ranks, one stage of 4 blocks: the stages come from the world size
+STAGE_CASES_2 = ((2, 4, torch.float64, 2),)
 
 
 _TP_WEIGHTS = tuple(f"{m}.weight" for m in ("attn.wq", "attn.wk", "attn.wv",
@@ -244,7 +246,9 @@ def _stage_rank(rank: int, world: int, fns: list, cases=STAGE_CASES) -> list:
                                                           given[n].detach()))]
                 schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=_loss)
                 losses = []
-                if stage.is_first:
+                if stage.is_first and stage.is_last:
+                    schedule.step(tokens, target=targets, losses=losses)
+                elif stage.is_first:
                     schedule.step(tokens)
                 elif stage.is_last:
                     schedule.step(target=targets, losses=losses)
@@ -273,11 +277,12 @@ def _stage_rank(rank: int, world: int, fns: list, cases=STAGE_CASES) -> list:
     return out
 
 
-def judge_stage(ranks: list[list[dict]]) -> None:
+def judge_stage(ranks: list[list[dict]], cases=None) -> None:
     """``ranks[r][c]``: rank r's result for case c. Fail with the mistake made."""
     ex = "13.1"
     world = len(ranks)
-    for c, (tp, layers, dtype, _) in enumerate(STAGE_CASES):
+    cases = cases or (STAGE_CASES if world == 4 else STAGE_CASES_2)
+    for c, (tp, layers, dtype, _) in enumerate(cases):
         where = (f"{world} ranks, tp={tp}, {layers} layers, "
                  f"{str(dtype).replace('torch.', '')}")
         results = [r[c] for r in ranks]
@@ -369,9 +374,10 @@ def judge_stage(ranks: list[list[dict]]) -> None:
                          "RowwiseParallel (wo, mlp.2)")
 
 
-def _run_stage(fns: list) -> list:
+def _run_stage(fns: list, world: int = 4) -> list:
     try:
-        ranks = [r.value for r in launch(_stage_rank, 4, args=(fns,),
+        cases = STAGE_CASES if world == 4 else STAGE_CASES_2
+        ranks = [r.value for r in launch(_stage_rank, world, args=(fns, cases),
                                          timeout=TIMEOUT_S, backend="gloo",
                                          echo=False)]
     except RankFailed as e:
@@ -387,7 +393,9 @@ def _run_stage(fns: list) -> list:
 def check_pp_tp_stage(pp_tp_stage: Callable) -> None:
     require_solution("13.1", pp_tp_stage)
     judge_stage(_run_stage([pp_tp_stage])[0])
-    passed("13.1", "equal to one process for tp 2 and 1, with adjacent TP ranks.")
+    judge_stage(_run_stage([pp_tp_stage], world=2)[0])
+    passed("13.1", "equal to one process on 4 ranks (tp 2 and 1) and on 2 (tp 2), "
+           "with adjacent TP ranks.")
 
 
 # ---------------------------------------------------------------- exercise 13.2
