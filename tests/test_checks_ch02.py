@@ -807,3 +807,71 @@ def test_time_with_events_accepts_polling(capsys):
 
 def test_time_with_events_names_ignored_rounds():
     fails(check_time_with_events, _events_fixed_rounds, "use the rounds argument")
+
+
+def _one_step(model, optimizer, x, y, loss_fn):
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _epoch_divides_by_8(model, optimizer, batches, loss_fn):  # a fixed count
+    total = 0
+    for x, y in batches:
+        total = total + _one_step(model, optimizer, x, y, loss_fn).detach()
+    return total.item() / 8
+
+
+def _epoch_sum(model, optimizer, batches, loss_fn):
+    total = 0
+    for x, y in batches:
+        total = total + _one_step(model, optimizer, x, y, loss_fn).detach()
+    return total.item()
+
+
+def _epoch_last_loss(model, optimizer, batches, loss_fn):
+    for x, y in batches:
+        loss = _one_step(model, optimizer, x, y, loss_fn)
+    return loss.item()
+
+
+def _epoch_nan_guard(model, optimizer, batches, loss_fn):  # an `if` per step
+    total = 0
+    for x, y in batches:
+        loss = _one_step(model, optimizer, x, y, loss_fn)
+        if torch.isnan(loss):
+            break
+        total = total + loss.detach()
+    return total.item() / len(batches)
+
+
+class _RunningMean:  # a class keeping a running mean on the device
+    def __call__(self, model, optimizer, batches, loss_fn):
+        mean = None
+        for k, (x, y) in enumerate(batches, 1):
+            loss = _one_step(model, optimizer, x, y, loss_fn).detach()
+            mean = loss if mean is None else mean + (loss - mean) / k
+        return float(mean)
+
+
+def _epoch_loss_data(model, optimizer, batches, loss_fn):  # .data, then sum()
+    losses = [_one_step(model, optimizer, x, y, loss_fn).data for x, y in batches]
+    return sum(losses).item() / len(losses)
+
+
+@pytest.mark.parametrize("run_epoch", [_RunningMean(), _epoch_loss_data])
+def test_run_epoch_accepts_more_correct(run_epoch, capsys):
+    check_run_epoch(run_epoch)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("run_epoch, words", [
+    (_epoch_divides_by_8, "not a fixed number"),
+    (_epoch_sum, "that is the sum"),
+    (_epoch_last_loss, "the last step's loss"),
+    (_epoch_nan_guard, "bool() or an if"),
+])
+def test_run_epoch_names_more_mistakes(run_epoch, words, capsys):
+    fails(check_run_epoch, run_epoch, words)

@@ -356,12 +356,15 @@ class TaggedLoss:
     def __init__(self):
         self.tokens: list[weakref.ref] = []
         self.alive_at_call: list[int] = []
+        self.last: torch.Tensor | None = None
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self.alive_at_call.append(sum(r() is not None for r in self.tokens))
         token = _GraphToken()
         self.tokens.append(weakref.ref(token))
-        return _Tag.apply(nn.functional.mse_loss(pred, target), token)
+        loss = nn.functional.mse_loss(pred, target)
+        self.last = loss.detach()  # read by the checker, not counted as a read
+        return _Tag.apply(loss, token)
 
 
 def _setup(device: torch.device, steps: int = 8):
@@ -451,6 +454,18 @@ def _one_epoch(ex, run_epoch, model, optimizer, batches, ref_model, expected,
              "loss.detach() on the device and read it once at the end")
     check_type(ex, result, (float, int), "run_epoch's return value")
     hint = "average the loss of every batch (each taken before its step)"
+    value = float(result)
+
+    def near(target: float) -> bool:
+        return abs(value - target) <= 1e-4 * abs(target)
+
+    if near(expected * steps):
+        hint = "that is the sum: divide it by the number of batches"
+    elif any(near(expected * steps / k) for k in range(1, 17) if k != steps):
+        hint = ("divide by the number of batches in THIS call, len(batches) (or "
+                "a count kept in the loop), not a fixed number")
+    elif loss_fn.last is not None and near(float(loss_fn.last)):
+        hint = "that is the last step's loss: average the losses of every step"
     if earlier:
         kept = (sum(earlier) * 8 + expected * steps) / (8 * len(earlier) + steps)
         if abs(float(result) - kept) <= 1e-4 * abs(kept) or abs(
