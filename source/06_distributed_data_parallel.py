@@ -1308,7 +1308,8 @@ check_average_gradients(average_gradients)
 # send, or the ranks may wait for each other forever. The checker compares
 # with `dist.all_reduce` on 2, 3 and 4 ranks, for float32, float64 and int64
 # tensors of sizes that do not divide by `n`, and counts each rank's messages:
-# `2(n - 1)`, one chunk each, all to the same neighbour.
+# `2(n - 1)`, one chunk each, all to the same neighbour, each carrying the
+# ring's running or finished sums.
 
 # %% tags=["exercise"] exercise="6.2"
 def ring_all_reduce(tensor):
@@ -1340,9 +1341,9 @@ check_ring_all_reduce(ring_all_reduce)
 # saves the model's `state_dict` to `path`, then every rank loads it back into
 # its own model, on the device its parameters are on, with
 # `weights_only=True`. The checker runs it on 2 and 3 ranks whose models start
-# different; one rank arrives late, rank 0's `state_dict()` takes a while, and
-# the file says its tensors come from a GPU this machine lacks. Every rank must
-# end with rank 0's weights.
+# different; one rank arrives late, rank 0's `state_dict()` and its write take
+# a while, and the file says its tensors come from a GPU this machine lacks.
+# Every rank must end with rank 0's weights.
 
 # %% tags=["exercise"] exercise="6.3"
 def save_then_load(model, rank, path):
