@@ -470,13 +470,16 @@ def bytes_as_tuple_of_floats(model, n, optimizer):
     return tuple(float(v) for v in bytes_dict_of_states(model, n, optimizer))
 
 
-def bytes_counted_for_real(model, n, optimizer):
-    return ch05.counted_dp_bytes(model, n, optimizer)
+class DeviceBytes(list):  # a list subclass, tensor.nbytes
+    def __init__(self, model, n, optimizer):
+        p = sum(t.nbytes for t in model.parameters())
+        kept = {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
+        super().__init__([p * (2 + kept) + (p if n > 1 else 0)] + [2 * p] * (n - 1))
 
 
 @pytest.mark.parametrize("fn", [bytes_dict_of_states, bytes_per_parameter,
                                 bytes_from_state_dict, bytes_as_tuple_of_floats,
-                                bytes_counted_for_real])
+                                DeviceBytes])
 def test_right_predictions_pass(fn):
     ch05.check_predict_dp_bytes(fn)
 
@@ -787,3 +790,11 @@ def test_more_wrong_applies_fail():
     fails(ch05.check_apply_in_threads, timeout_ignored, "TimeoutError")
     fails(ch05.check_apply_in_threads, endless_generator, "3 outputs")
     fails(ch05.check_apply_in_threads, tuple_passed_whole, "unpack")
+
+
+def test_checkers_reference_refused():
+    def bytes_counted_by_the_checker(model, n, optimizer):
+        return ch05.counted_dp_bytes(model, n, optimizer)
+
+    fails(ch05.check_predict_dp_bytes, bytes_counted_by_the_checker,
+          "reference answer")

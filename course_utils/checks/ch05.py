@@ -13,6 +13,7 @@ DataParallel step. Every call of learner code runs inside a timeout.
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -404,6 +405,9 @@ def counted_dp_bytes(model: nn.Module, n: int, optimizer: str) -> list[int]:
     """Bytes per device at the end of the backward of DataParallel's second step
     (parameters, gradients, optimizer state; activations left out), counted on
     the tensors of a hand-made DataParallel step on ``n`` CPU "devices"."""
+    if sys._getframe(1).f_globals.get("__name__") != __name__:
+        fail("5.3", "your own code", "a call to the checker's reference answer",
+             "write the function yourself: the check compares with this reference")
     model = copy.deepcopy(model)
     params = list(model.parameters())
     opt = {"sgd": lambda: torch.optim.SGD(params, lr=1e-3),
