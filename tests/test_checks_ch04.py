@@ -3,6 +3,7 @@ with a message that names the mistake."""
 
 import concurrent.futures as cf
 import multiprocessing as mp
+import queue
 import threading
 import time
 
@@ -612,3 +613,374 @@ def test_busy_cores_measured_beside_the_prediction(capsys):
     ch04.check_predict_busy_cores(busy_min)
     out = capsys.readouterr().out
     assert "measured" in out and "passed" in out
+
+
+# ------------------------------------------------- more answers, written apart
+
+
+def _loop_answering(fn, tasks, done):
+    while (task := tasks.get()) is not None:
+        i, x = task
+        try:
+            done.put((i, True, fn(x)))
+        except Exception as e:  # noqa: BLE001
+            done.put((i, False, e))
+
+
+def map_simple_queue_and_wait(fn, items, processes, timeout=60):  # Pipes' wait()
+    from multiprocessing.connection import wait
+    tasks, ends, ws = FORK.Queue(), [], []
+    for _ in range(processes):
+        parent, child = FORK.Pipe(duplex=False)
+
+        def work(child=child):
+            while (task := tasks.get()) is not None:
+                i, x = task
+                try:
+                    child.send((i, True, fn(x)))
+                except Exception as e:  # noqa: BLE001
+                    child.send((i, False, e))
+            child.send(None)
+        ws.append(FORK.Process(target=work))
+        ends.append(parent)
+    [w.start() for w in ws]
+    [tasks.put(t) for t in enumerate(items)]
+    [tasks.put(None) for _ in ws]
+    out, live, error = {}, list(ends), None
+    try:
+        while live:
+            ready = wait(live, timeout)
+            if not ready:
+                raise TimeoutError("no result")
+            for conn in ready:
+                msg = conn.recv()
+                if msg is None:
+                    live.remove(conn)
+                elif msg[1]:
+                    out[msg[0]] = msg[2]
+                else:
+                    error = error or msg[2]
+        if error:
+            raise error
+        return [out[i] for i in range(len(items))]
+    finally:
+        for w in ws:
+            w.join(3)
+            if w.is_alive():
+                w.kill()
+            w.join()
+
+
+def map_torch_joinable(fn, items, processes, timeout=60.0):  # torch.multiprocessing
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("fork")
+    tasks, done = ctx.JoinableQueue(), ctx.SimpleQueue()
+    ws = [ctx.Process(target=_loop_answering, args=(fn, tasks, done), daemon=True)
+          for _ in range(processes)]
+    [w.start() for w in ws]
+    for task in enumerate(items):
+        tasks.put(task)
+    [tasks.put(None) for _ in ws]
+    results = [None] * len(items)
+    try:
+        deadline = time.monotonic() + timeout
+        for _ in items:
+            while done.empty():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no result")
+                time.sleep(0.02)
+            i, ok, v = done.get()
+            if not ok:
+                raise v
+            results[i] = v
+        return tuple(results)
+    finally:
+        for w in ws:
+            w.join(2)
+            if w.is_alive():
+                w.terminate()
+                w.join(2)
+
+
+def map_error_chained(fn, items, processes, timeout=60):  # raise ... from the task's
+    try:
+        return map_queues(fn, items, processes, min(timeout, 10))
+    except queue.Empty:
+        raise
+    except Exception as e:
+        raise RuntimeError("a task failed") from e
+
+
+def map_items_as_iterator(fn, items, processes, timeout=60):
+    return map_queues(fn, list(iter(items)), processes, timeout)
+
+
+@pytest.mark.parametrize("fn", [map_simple_queue_and_wait, map_torch_joinable,
+                                map_error_chained, map_items_as_iterator])
+def test_more_right_process_maps_pass(fn):
+    ch04.check_process_map(fn)
+    assert not ch04._left_children(0)
+
+
+def test_more_wrong_process_maps_fail():
+    def new_error(fn, items, processes, timeout=60):
+        try:
+            return map_queues(fn, items, processes, timeout)
+        except Exception:
+            raise RuntimeError("a task failed") from None
+
+    def worker_dies_on_error(fn, items, processes, timeout=60):  # times out instead
+        tasks, done = FORK.Queue(), FORK.Queue()
+
+        def work():
+            while (task := tasks.get()) is not None:
+                done.put((task[0], fn(task[1])))
+        ws = [FORK.Process(target=work) for _ in range(processes)]
+        [w.start() for w in ws]
+        [tasks.put(t) for t in enumerate(items)]
+        [tasks.put(None) for _ in ws]
+        try:
+            got = dict(done.get(timeout=3) for _ in items)
+            return [got[i] for i in range(len(items))]
+        finally:
+            for w in ws:
+                w.join(1)
+                w.terminate()
+                w.join()
+
+    def get_without_timeout(fn, items, processes, timeout=60):
+        tasks, done = FORK.Queue(), FORK.Queue()
+        ws = [FORK.Process(target=_loop_answering, args=(fn, tasks, done))
+              for _ in range(processes)]
+        [w.start() for w in ws]
+        [tasks.put(t) for t in enumerate(items)]
+        [tasks.put(None) for _ in ws]
+        out, error = [None] * len(items), None
+        for _ in items:
+            i, ok, v = done.get()  # waits for ever if a worker died
+            out[i] = v
+            error = error or (None if ok else v)
+        [w.join() for w in ws]
+        if error:
+            raise error
+        return out
+
+    def capped_at_two(fn, items, processes, timeout=60):
+        return map_queues(fn, items, min(processes, 2), timeout)
+
+    def one_queue_per_worker(fn, items, processes, timeout=60):  # dealt in advance
+        qs, done = [FORK.Queue() for _ in range(processes)], FORK.Queue()
+        ws = [FORK.Process(target=_worker_loop, args=(fn, q, done)) for q in qs]
+        [w.start() for w in ws]
+        for i, x in enumerate(items):
+            qs[i % processes].put((i, x))
+        [q.put(None) for q in qs]
+        out = [None] * len(items)
+        for _ in items:
+            i, _, v = done.get(timeout=timeout)
+            out[i] = v
+        [w.join(5) for w in ws]
+        return out
+
+    def sorted_results(fn, items, processes, timeout=60):
+        return sorted(map_queues(fn, items, processes, timeout))
+
+    def results_in_float32(fn, items, processes, timeout=60):
+        out = map_queues(fn, items, processes, timeout)
+        return [(float(torch.tensor(r[0], dtype=torch.float32)), *r[1:]) for r in out]
+
+    def a_process_per_batch(fn, items, processes, timeout=60):
+        out, done = [None] * len(items), FORK.Queue()
+
+        def one(i, x):
+            done.put((i, fn(x)))
+        for s in range(0, len(items), processes):
+            ps = [FORK.Process(target=one, args=(i, items[i]))
+                  for i in range(s, min(s + processes, len(items)))]
+            [p.start() for p in ps]
+            for _ in ps:
+                i, v = done.get(timeout=timeout)
+                out[i] = v
+            [p.join(5) for p in ps]
+        return out
+
+    def error_returned(fn, items, processes, timeout=60):  # swallowed, None in place
+        tasks, done = FORK.Queue(), FORK.Queue()
+        ws = [FORK.Process(target=_worker_loop, args=(fn, tasks, done), daemon=True)
+              for _ in range(processes)]
+        [w.start() for w in ws]
+        [tasks.put(t) for t in enumerate(items)]
+        [tasks.put(None) for _ in ws]
+        out = [None] * len(items)
+        for _ in items:
+            i, _, v = done.get(timeout=timeout)
+            out[i] = v
+        [w.join(5) for w in ws]
+        return out
+
+    fails(ch04.check_process_map, new_error, "own error")
+    fails(ch04.check_process_map, worker_dies_on_error, "own error")
+    fails(ch04.check_process_map, get_without_timeout, "worker dies", "timeout")
+    fails(ch04.check_process_map, capped_at_two, "running at once")
+    fails(ch04.check_process_map, one_queue_per_worker, "few other items")
+    fails(ch04.check_process_map, sorted_results, "order of the items")
+    fails(ch04.check_process_map, results_in_float32, "fn(item)")
+    fails(ch04.check_process_map, a_process_per_batch, "at most 3 worker")
+    fails(ch04.check_process_map, error_returned, "error raised in the caller")
+    assert not ch04._left_children(0)
+
+
+def _rows(n, k):
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def _fork_each(t, fn, bounds, join=True):
+    def work(a, b):
+        t[a:b] = fn(t[a:b])
+    ps = [FORK.Process(target=work, args=ab) for ab in bounds if ab[1] > ab[0]]
+    [p.start() for p in ps]
+    if join:
+        [p.join(30) for p in ps]
+    return ps
+
+
+def apply_floor_bounds(t, processes, fn):
+    t.share_memory_()
+    _fork_each(t, fn, _rows(t.shape[0], processes))
+
+
+def apply_copy_into_split(t, processes, fn):
+    t.share_memory_()
+
+    def work(c):
+        c.copy_(fn(c))
+    ps = [FORK.Process(target=work, args=(c,))
+          for c in torch.tensor_split(t, processes) if c.shape[0]]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(30)
+        assert p.exitcode == 0
+
+
+class NarrowApplier:  # torch.multiprocessing, narrow() views, a class
+    def __init__(self, t, processes, fn):
+        import torch.multiprocessing as tmp
+        ctx = tmp.get_context("fork")
+        t.share_memory_()
+        sizes = [len(r) for r in torch.arange(t.shape[0]).tensor_split(processes)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        ps = [ctx.Process(target=self.work, args=(t, fn, s, z))
+              for s, z in zip(starts, sizes, strict=True) if z]
+        [p.start() for p in ps]
+        [p.join() for p in ps]
+
+    @staticmethod
+    def work(t, fn, start, length):
+        t.narrow(0, start, length).copy_(fn(t.narrow(0, start, length)))
+
+
+def apply_with_identity_pass(t, processes, fn):  # extra harmless work
+    apply_floor_bounds(t, processes, fn)
+    apply_floor_bounds(t, processes, lambda c: c.clone())
+
+
+@pytest.mark.parametrize("fn", [apply_floor_bounds, apply_copy_into_split,
+                                NarrowApplier, apply_with_identity_pass])
+def test_more_right_parallel_applies_pass(fn):
+    ch04.check_parallel_apply_(fn)
+
+
+def test_more_wrong_parallel_applies_fail():
+    def float64_detour(t, processes, fn):  # exact for floats, not for big int64
+        t.share_memory_()
+
+        def work(a, b):
+            t[a:b] = fn(t[a:b].double()).to(t.dtype)
+        ps = [FORK.Process(target=work, args=ab)
+              for ab in _rows(t.shape[0], processes) if ab[1] > ab[0]]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def every_nth_row(t, processes, fn):
+        t.share_memory_()
+
+        def work(k):
+            t[k::processes] = fn(t[k::processes])
+        ps = [FORK.Process(target=work, args=(k,))
+              for k in range(min(processes, t.shape[0]))]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def never_joined(t, processes, fn):
+        t.share_memory_()
+        _fork_each(t, fn, _rows(t.shape[0], processes), join=False)
+
+    def last_dim(t, processes, fn):
+        t.share_memory_()
+        n = t.shape[-1]
+
+        def work(a, b):
+            t[..., a:b] = fn(t[..., a:b])
+        ps = [FORK.Process(target=work, args=ab)
+              for ab in _rows(n, processes) if ab[1] > ab[0]]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def whole_then_sliced(t, processes, fn):
+        t.share_memory_()
+
+        def work(a, b):
+            t[a:b] = fn(t)[a:b]
+        ps = [FORK.Process(target=work, args=ab)
+              for ab in _rows(t.shape[0], processes) if ab[1] > ab[0]]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def row_by_row(t, processes, fn):
+        t.share_memory_()
+
+        def work(a, b):
+            for i in range(a, b):
+                t[i:i + 1] = fn(t[i:i + 1])
+        ps = [FORK.Process(target=work, args=ab)
+              for ab in _rows(t.shape[0], processes) if ab[1] > ab[0]]
+        [p.start() for p in ps]
+        [p.join(30) for p in ps]
+
+    def caller_takes_the_first(t, processes, fn):
+        t.share_memory_()
+        bounds = [ab for ab in _rows(t.shape[0], processes) if ab[1] > ab[0]]
+        ps = _fork_each(t, fn, bounds[1:], join=False)
+        t[bounds[0][0]:bounds[0][1]] = fn(t[bounds[0][0]:bounds[0][1]])
+        [p.join(30) for p in ps]
+
+    def remainder_to_the_last(t, processes, fn):
+        t.share_memory_()
+        n, b = t.shape[0], t.shape[0] // processes
+        _fork_each(t, fn, [(i * b, n if i == processes - 1 else (i + 1) * b)
+                           for i in range(processes)])
+
+    def shared_copy_returned(t, processes, fn):
+        u = t.clone().share_memory_()
+        apply_floor_bounds(u, processes, fn)
+        return u
+
+    fails(ch04.check_parallel_apply_, float64_detour, "int64")
+    fails(ch04.check_parallel_apply_, every_nth_row, "contiguous")
+    fails(ch04.check_parallel_apply_, never_joined, "join every worker")
+    fails(ch04.check_parallel_apply_, last_dim, "dim 0")
+    fails(ch04.check_parallel_apply_, whole_then_sliced, "all the rows")
+    fails(ch04.check_parallel_apply_, row_by_row, "differ by at most one")
+    fails(ch04.check_parallel_apply_, caller_takes_the_first, "worker process")
+    fails(ch04.check_parallel_apply_, remainder_to_the_last, "differ by at most one")
+    fails(ch04.check_parallel_apply_, shared_copy_returned, "returned instead")
+    assert not ch04._left_children(0)
+
+
+def test_busy_cores_reference_refused():
+    def the_checkers_own(cores):
+        return ch04.ideal_busy_cores(cores)
+
+    with pytest.raises(ExerciseFailed, match="reference answer"):
+        ch04.check_predict_busy_cores(the_checkers_own, measure=False)
