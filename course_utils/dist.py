@@ -410,13 +410,40 @@ def stop_tree(pids: list[int], grace: float = 2.0) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
-def _kill_groups(pgids: list[int]) -> None:
-    """SIGKILL what is left in the ranks' process groups (their own children)."""
+def _kill_groups(pgids: list[int], grace: float = 5.0) -> None:
+    """SIGKILL what is left in the ranks' process groups (their own children),
+    and wait until each is gone: a killed process ends only when the kernel
+    next schedules it, which on a busy machine can come after the launch
+    would otherwise have returned."""
+    import psutil
+
+    groups, members = set(pgids), []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and os.getpgid(p.pid) in groups:
+                members.append(p)
+        except (OSError, psutil.Error):  # gone meanwhile
+            pass
     for g in pgids:
         try:
             os.killpg(g, signal.SIGKILL)
         except OSError:  # the group is empty already
             pass
+    deadline = time.monotonic() + grace
+    while members and time.monotonic() < deadline:
+        members = [p for p in members if _running(p)]
+        if members:
+            time.sleep(0.005)
+
+
+def _running(p) -> bool:
+    """Alive and not a zombie (a zombie has ended; its parent reaps it)."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _stop(procs: list, grace: float = 2.0) -> None:
