@@ -201,7 +201,8 @@ def _no_dependence(nb, exercises: list[tuple[str, int, int]], name: str) -> None
             if cell.cell_type != "code" or j == check:
                 continue
             if "exercise" in cell.metadata.get("tags", []):
-                continue  # its own names are checked by _no_shadowing
+                defined -= _top_level_names(cell.source)  # rebound from here on
+                continue
             used = sorted(defined & _names_used(cell.source))
             if used:
                 raise BuildError(
