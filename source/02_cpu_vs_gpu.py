@@ -203,7 +203,7 @@ def seed_experiment(size=256, steps=1000):
 
 sizes_slider = widgets.SelectionSlider(options=[2**k for k in range(2, 19)], value=256,
                                        description="size", continuous_update=False)
-steps_slider = widgets.IntSlider(value=1000, min=1, max=1000, description="steps",
+steps_slider = widgets.IntSlider(value=1000, min=1, max=2000, description="steps",
                                  continuous_update=False)
 display(widgets.interactive(seed_experiment, size=sizes_slider, steps=steps_slider))
 

@@ -533,7 +533,7 @@ def show_plan(model="Llama 3 8B", gpu="h100_sxm", n_gpus=64, seq=8192,
 widgets.interact(show_plan, model=list(planner.MODELS), gpu=list(planner.GPUS),
                  n_gpus=widgets.SelectionSlider(options=[8, 16, 32, 64, 128, 256,
                                                          512, 1024], value=64),
-                 seq=widgets.SelectionSlider(options=[2048, 4096, 8192], value=8192),
+                 seq=widgets.SelectionSlider(options=[2048, 4096, 8192, 16384], value=8192),
                  global_batch=widgets.SelectionSlider(
                      options=[64, 128, 256, 512, 1024, 2048], value=512),
                  rows=widgets.IntSlider(value=8, min=1, max=20));
