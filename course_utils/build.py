@@ -59,7 +59,8 @@ MAX_CODE_LINES = 700  # non-blank lines in code cells, exercises and checks incl
 def chapter_length(source: Path) -> tuple[int, int]:
     """``(markdown words, non-blank code lines)`` of a chapter source."""
     nb = jupytext.read(source, fmt="py:percent")
-    words = sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    words = sum(len(re.findall(r"\w+", c.source))
+                for c in nb.cells if c.cell_type == "markdown")
     code = sum(1 for c in nb.cells if c.cell_type == "code"
                for line in c.source.splitlines() if line.strip())
     return words, code

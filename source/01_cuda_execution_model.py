@@ -1152,15 +1152,13 @@ print(VECTOR_ADD_CUDA_C)
 #   limit, registers or shared memory, whichever runs out first.
 # - Registers, shared memory, L2 and HBM trade size for speed; links off the
 #   GPU are slower still. A tiled kernel reuses data in shared memory.
-# - SIMD and warps are one idea at two scales; Amdahl's law caps any speed-up
-#   by the serial fraction.
+# - SIMD and warps are one idea at two scales; Amdahl's law caps a speed-up.
 #
 # ## Exercises
 #
-# Each exercise is a kernel. The check runs it on its own simulator, a block's
-# threads one at a time from barrier to barrier: it names indices outside an
-# array, races on shared memory and barriers some threads skip, and counts
-# each warp request's sectors as in section 6. On a GPU the kernel also runs.
+# Each exercise is a kernel. The check runs it on a simulator that names
+# indices outside an array, shared-memory races and skipped barriers, and
+# counts each warp request's sectors (section 6); on a GPU the kernel also runs.
 #
 # **Exercise 1.1 - a grid-stride loop.** Write `axpy(a, x, y, out)`, which
 # sets `out[i] = a * x[i] + y[i]` for every i of the 1-D arrays, correctly for

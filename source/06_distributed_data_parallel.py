@@ -1117,12 +1117,10 @@ print(agent.stdout, end="")
 print("what ended attempt 0:", *(e for e in agent.stderr.splitlines() if "fails" in e))
 
 # %% [markdown]
-# Attempt 0 ran epochs 0 and 1 and died in epoch 2; torchrun stopped the
-# surviving rank and started both again, and attempt 1 went on from epoch 2:
-# the final weights are those of four epochs. A crash costs the work since the
-# last checkpoint, plus the restart. (With `--nnodes=MIN:MAX` torchrun can go
-# on with fewer or more nodes; the script must then cope with a new world
-# size.) One trap: by default restarted workers share torchrun's own store with
+# Attempt 0 died in epoch 2; torchrun stopped the surviving rank and started
+# both again, and attempt 1 went on from epoch 2. A crash costs the work since
+# the last checkpoint, plus the restart (`--nnodes=MIN:MAX` lets torchrun go on
+# with another world size). One trap: by default restarted workers share torchrun's own store with
 # the attempt before, and in torch 2.13 they then often fail to connect (four
 # runs in five here; PyTorch issue 135712). `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
 # gives every attempt a fresh store.
@@ -1137,19 +1135,16 @@ print("what ended attempt 0:", *(e for e in agent.stderr.splitlines() if "fails"
 # | send, recv, barrier | yes | no | no | yes |
 # | the other collectives | yes | yes | no | yes |
 #
-# So: `nccl` for GPU tensors, one GPU per rank, by far the faster (NVLink,
-# RDMA between nodes); `gloo` for CPU tensors, and a slow fallback for GPU
-# tensors through the host. `init_process_group("cpu:gloo,cuda:nccl")` gives a
+# So: `nccl` for GPU tensors, one GPU per rank (NVLink, RDMA between nodes);
+# `gloo` for CPU tensors. `init_process_group("cpu:gloo,cuda:nccl")` gives a
 # group both, each tensor going to its device's backend.
 #
 # ### Throughput against the number of ranks
 #
-# At a fixed batch per rank, `n` ranks process `n` times the samples per step,
-# for one rank's compute plus the part of the all-reduce that does not
-# overlap. Each rank trains the 8-layer model of the bucket profile; the
-# comparison measures samples per second on 1 rank and on as many as this
-# machine has cores for (a CPU's ranks share its cores and memory bandwidth;
-# GPUs do not share their compute).
+# At a fixed batch per rank, `n` ranks process `n` times the samples per step
+# for one rank's compute plus the all-reduce that does not overlap. Samples per
+# second of the bucket profile's model, on 1 rank and on as many as this
+# machine has cores for (CPU ranks share cores and memory bandwidth; GPUs do not).
 
 # %%
 def throughput(rank, world_size, steps, batch):
