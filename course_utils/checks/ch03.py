@@ -930,6 +930,38 @@ def _call_overlap(ex: str, fn: Callable, spans, shown: str,
     return value
 
 
+def _refuse_answers_kept(ex: str, fn: Callable) -> None:
+    """Fail an answer that repeats an earlier one for other spans.
+
+    A cache keyed on ``id(spans)`` fails the later cases only when CPython
+    happens to reuse an address; asking with one living list, changed in
+    between, finds it every time, and a fresh list finds a remembered answer.
+    """
+    spans = [("a", 0.0, 4.0), ("b", 1.0, 2.0), ("c", 3.0, 5.0)]  # overlap 0.4
+    changed = [("a", 10.0, 12.0), ("b", 11.0, 13.0)]  # overlap 1/3
+
+    def ask(arg):
+        _IN_LEARNER.on = True
+        try:
+            return float(call_learner(ex, fn, arg))
+        finally:
+            _IN_LEARNER.on = False
+
+    try:
+        first = _run_with_timeout(ex, lambda: ask(spans), timeout=TIMEOUT_S)
+        spans[:] = changed
+        second = _run_with_timeout(ex, lambda: ask(spans), timeout=TIMEOUT_S)
+        fresh = _run_with_timeout(ex, lambda: ask(list(changed)), timeout=TIMEOUT_S)
+    except Exception:  # any other mistake is named by the cases below
+        return
+    if abs(first - 0.4) <= 1e-6 and first in (second, fresh):
+        fail(ex, f"overlap_fraction({changed}) = {1 / 3:.6g}, asked after "
+             f"{[('a', 0.0, 4.0), ('b', 1.0, 2.0), ('c', 3.0, 5.0)]} (0.4)",
+             f"{second:.6g} for the same list changed in place, {fresh:.6g} for a "
+             "new list", "the answer must come from the spans given (no state "
+             "kept between calls, no cache keyed on the list object)")
+
+
 def check_overlap_fraction(fn: Callable, measured_spans: Sequence[tuple] | None = None
                            ) -> None:
     """Exercise 3.2: the fraction of wall-clock time with two or more spans running.
@@ -941,6 +973,7 @@ def check_overlap_fraction(fn: Callable, measured_spans: Sequence[tuple] | None 
     """
     ex = "3.2"
     require_solution(ex, fn)
+    _refuse_answers_kept(ex, fn)
     cases = [(spans, expected, hint) for spans, expected, hint in _OVERLAP_CASES]
     for spans in random_span_cases():
         cases.append((spans, _reference_overlap(spans),
