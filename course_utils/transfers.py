@@ -449,6 +449,7 @@ def plot_h2d(device, ram_sizes: list[int], ram_gbps: list[float]) -> None:
         ratio = pred / server[key].value
         print(f"{server[key].extra['quantity']}: predicted {pred:.3g} GB/s, published "
               f"{server[key].value:g} GB/s on an A100 PCIe server (ratio {ratio:.2f})")
+        print("  " + predict.caveat(f"bwtest.a100_pcie_{key}_gbps"))
 
 
 def lock_fresh_pages_seconds(nbytes: int) -> float | None:

@@ -263,10 +263,8 @@ for gpus in (1, 8):
     print(f"published: ResNet-50 training on {gpus} A100, TF32 to mixed precision: "
           f"{amp.value / tf32.value:.2f}x [{amp.label}]")
 a_lo, a_hi = predict.mixed_precision_speedup("a100_sxm_80gb", "bf16", "tf32")
-print(f"caveat: for that A100 setup the same bounds are {a_lo:.0f}x and {a_hi:.0f}x, "
-      "below the measured speed-ups (TF32 kernels reach less of their peak than "
-      "16-bit ones); the bounds are a guide within 2x, not a prediction within "
-      "25 % (python -m course_utils.predict --calibration)")
+print(f"for that A100 setup the same bounds are {a_lo:.0f}x and {a_hi:.0f}x; "
+      + predict.caveat("dle_rn50.dgxa100_amp_1gpu_ips"))
 
 # %% [markdown]
 # ## 3. Why fp16 needs a gradient scaler

@@ -66,34 +66,55 @@ def test_a_prediction_is_shown_as_one():
 # --- calibrated models and the calibration table ------------------------------------
 
 
-def test_calibration_command_passes_with_at_least_20_pairs():
+def _run_calibration():
     import subprocess
     import sys
 
-    run = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "course_utils.predict", "--calibration"],
         capture_output=True, text=True, timeout=120)
+
+
+def test_calibration_command_passes_with_at_least_20_pairs():
+    run = _run_calibration()
     assert run.returncode == 0, run.stdout + run.stderr
-    lines = [ln for ln in run.stdout.splitlines() if ", ratio " in ln]
-    assert len(lines) == len(predict.calibration_pairs())
-    good = [ln for ln in lines if "known gap" not in ln]
-    assert len(good) >= 20
-    for ln in good:
+    table, scope = run.stdout.split("outside the models' scope")
+    lines = [ln for ln in table.splitlines() if ", ratio " in ln]
+    assert len(lines) == len(predict.calibration_pairs()) >= predict.MIN_PAIRS >= 20
+    for ln in lines:  # every printed pair is in the band: no exempt class
         ratio = float(ln.split(", ratio ")[1].split()[0])
         assert 0.8 <= ratio <= 1.25, ln
+    # the measurements outside the scope follow, each with its reason, no ratio
+    assert ", ratio " not in scope
+    for s in predict.out_of_scope():
+        assert f"[{s.measured}]; {s.reason}" in scope
 
 
-def test_calibration_fails_when_a_ratio_leaves_the_band(monkeypatch, capsys):
+def test_calibration_fails_when_a_published_value_leaves_the_band(monkeypatch, capsys):
     pairs = predict.calibration_pairs()
-    bad = predict.Pair("made up", 2.0, 1.0, "x", pairs[0].measured, pairs[0].inputs)
-    monkeypatch.setattr(predict, "calibration_pairs", lambda: [*pairs, bad])
+    assert predict.main(["--calibration"]) == 0
+    # a published value a third lower: that one pair's ratio leaves the band
+    real = predict._value
+    key = "nccl.a100x8_allreduce_busbw_gbps"
+    monkeypatch.setattr(predict, "_value",
+                        lambda k: real(k) * (0.7 if k == key else 1))
     assert predict.main(["--calibration"]) == 1
     out = capsys.readouterr().out
-    assert "made up: predicted 2 x, published measurement 1 x" in out
+    assert "outside the band: all_reduce bus bandwidth, 8x A100 (NVLink 3)" in out
+    monkeypatch.setattr(predict, "_value", real)
     monkeypatch.setattr(predict, "calibration_pairs", lambda: pairs[:19])
     assert predict.main(["--calibration"]) == 1  # too few pairs
-    monkeypatch.setattr(predict, "calibration_pairs", lambda: pairs)
-    assert predict.main(["--calibration", "--strict"]) == 1  # known gaps count
+    assert "too few calibration pairs: 19 < 20" in capsys.readouterr().out
+
+
+def test_no_measurement_is_both_calibrated_and_out_of_scope():
+    calibrated = {(p.measured, p.unit) for p in predict.calibration_pairs()}
+    for s in predict.out_of_scope():
+        assert (s.measured, s.unit) not in calibrated, s.setup
+        assert s.reason and s.unit, s.setup
+    assert predict.caveat("nccl.a100x8_allreduce_busbw_gbps") == ""
+    line = predict.caveat("torchgpipe.amoebanetd_n8m32_ips")
+    assert line.startswith("caveat: ") and "batch size" in line
 
 
 def test_no_pair_checks_a_model_against_its_own_input():
@@ -108,9 +129,9 @@ def test_no_pair_checks_a_model_against_its_own_input():
 
 
 def test_calibration_covers_what_the_chapters_predict():
-    setups = " | ".join(p.setup for p in predict.calibration_pairs() if not p.gap)
+    setups = " | ".join(p.setup for p in predict.calibration_pairs())
     for word in ("matmul", "HBM", "pinned copy", "pageable copy", "8x H200",
-                 "PCIe", "8 bytes", "DDP", "micro-batch", "mixed-precision"):
+                 "NVLS", "PCIe", "8 bytes", "DDP", "micro-batch", "speed-up"):
         assert word in setups, word
 
 
@@ -137,10 +158,18 @@ def test_tiny_kernels_are_launch_bound_and_big_ones_are_not():
 def test_allreduce_has_a_latency_floor_and_the_ring_bandwidth_term():
     small = predict.allreduce_seconds(8, 2, "nvlink_h100").value
     assert small == pytest.approx(predict.collective_latency(), rel=1e-3)
-    big = predict.allreduce_seconds(1e9, 8, "nvlink_h100").value
-    assert big == pytest.approx(predict.collective_latency() + 2 * 7 / 8 * 1e9
+    big = predict.allreduce_seconds(1e8, 8, "nvlink_h100").value
+    assert big == pytest.approx(predict.collective_latency() + 2 * 7 / 8 * 1e8
                                 / predict.achieved_link_bandwidth("nvlink_h100"))
     assert predict.allreduce_seconds(1e9, 1).value == 0
+    # 8 H100s above 256 MiB: NCCL's in-switch reduction (NVLS) at its peak
+    huge = predict.allreduce_seconds(2**33, 8, "nvlink_h100")
+    assert huge.value == pytest.approx(predict.collective_latency() + 2 * 7 / 8
+                                       * 2**33 / predict.nvls_busbw())
+    assert "NVLS" in huge.source
+    assert not predict.nvls_applies(2**28, 8, "nvlink_h100")  # 256 MiB: the ring
+    assert not predict.nvls_applies(2**33, 4, "nvlink_h100")
+    assert not predict.nvls_applies(2**33, 8, "nvlink_a100")
     # nccl-tests' conventions
     assert predict.busbw(1e9, 1.0, 8) == pytest.approx(1e9 * 2 * 7 / 8)
     assert predict.algbw(1e9, 2.0) == pytest.approx(5e8)

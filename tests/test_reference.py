@@ -183,7 +183,8 @@ def test_shipped_hardware_rows_cite_no_secondary_summaries():
     # datasheet figures come from NVIDIA's own documents, not blogs or data repos
     for e in reference.published_entries().values():
         where = e["source"]["where"]
-        for bad in ("gadgetbrains", "manunicholasjacob", "llama-cpp-mmvq"):
+        for bad in ("gadgetbrains", "manunicholasjacob", "llama-cpp-mmvq", "hpctech",
+                    "manuals.plus"):
             assert bad not in where.lower(), e["id"]
 
 
