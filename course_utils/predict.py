@@ -17,6 +17,9 @@ right shape of a curve, and always optimistic:
 - ``ring_allreduce_seconds``: each of ``n`` ranks sends and receives
   ``2 (n - 1) / n`` times the buffer (the bandwidth term of the ring
   algorithm that NCCL and gloo use).
+- ``tensor_math_speedup``: the ratio of two math modes' datasheet peaks, the
+  most a large matmul gains from mixed precision; a ceiling for that math
+  only, not a prediction of a training step's speed-up (Chapter 8).
 
 The calibrated models, which add what dominates small and real workloads, each
 input a published *measurement* (``reference_data/published/calibration.json``):
@@ -29,7 +32,7 @@ input a published *measurement* (``reference_data/published/calibration.json``):
   ``2 (n - 1) / n x bytes`` at the link's achieved rate; on an 8-GPU H100
   NVSwitch node, large buffers at NVLS's peak instead. Conventions are
   nccl-tests': algbw = bytes / time, busbw = algbw x 2 (n - 1) / n.
-- ``pipeline_seconds``, ``ddp_step_seconds``, ``mixed_precision_speedup``.
+- ``pipeline_seconds``, ``ddp_step_seconds``.
 
 ``python -m course_utils.predict --calibration`` prints every prediction of a
 setup someone measured beside that measurement, with the ratio, and exits
@@ -436,16 +439,26 @@ def pipeline_seconds(t_one: float, stages: int, microbatches: int) -> float:
     return t_one * (microbatches + stages - 1) / (stages * microbatches)
 
 
-def mixed_precision_speedup(gpu: str, low: str = "bf16",
-                            high: str = "tf32") -> tuple[float, float]:
-    """Bounds on the training speed-up from ``high`` to ``low`` precision math.
+def tensor_math_speedup(gpu: str, low: str = "bf16",
+                        high: str = "tf32") -> reference.Figure:
+    """The ceiling on ``gpu``'s matmul speed-up from ``high`` to ``low`` (Chapter 8).
 
-    Memory-bound work moves half the bytes (2x); tensor-core math speeds up by
-    the ratio of peaks. A step mixing both speeds up by at least the smaller
-    and at most the larger (Amdahl). Returns ``(low_bound, high_bound)``.
+    The ratio ``r`` of the two datasheet peaks: what one large matmul gains at
+    most. It is not a training step's speed-up. A step also runs work that
+    mixed precision speeds up little or not at all (ops autocast keeps in fp32,
+    the optimizer's fp32 update, casts, launches, data loading); with a fraction
+    ``f`` of its time in the math, the math gives it ``1 / (1 - f + f / r)``
+    (Amdahl), near 1 for a small ``f``: there is no floor above 1, and a 16-bit
+    step can even be slower. Nor is ``r`` a ceiling on a step: kernels reach
+    different fractions of their peaks in each format. No source gives ``f``
+    for a real step, so the model stops at ``r``.
     """
-    ratio = peak_flops(gpu, low) / peak_flops(gpu, high)
-    return min(2.0, ratio), max(2.0, ratio)
+    return reference.predicted(
+        peak_flops(gpu, low) / peak_flops(gpu, high), "x", gpu_name(gpu),
+        f"ratio of datasheet peaks, {low} / {high}: the ceiling of the math "
+        "alone, not a training step's speed-up",
+        [peak_key(gpu, low), peak_key(gpu, high)],
+    )
 
 
 def ddp_step_seconds(t_compute: float, grad_bytes: float, n: int,
@@ -645,6 +658,17 @@ _AMOEBA = ("each row of the benchmark has its own batch size (96 to 1280), "
 _AMP_LAYOUT = ("the recipe's AMP run also switches to channels-last memory format "
                "(configs.yml: memory_format nhwc for AMP only), so the speed-up is "
                "not the math mode's alone")
+_AMP_STEP = ("tensor_math_speedup gives only the ceiling of the tensor-core math, "
+             "not a step's speed-up: a step also runs work mixed precision does not "
+             "speed up (ops kept in fp32, the optimizer, casts, launches, data "
+             "loading), for a fraction of its time no source gives")
+
+# published A100 training speed-ups, TF32 to mixed precision at the same batch
+# per GPU, from NVIDIA's Deep Learning Examples (Chapter 8)
+AMP_SPEEDUPS = tuple(f"dle_{m}.dgxa100_amp_speedup_{g}" for m, g in (
+    ("gnmt", "1gpu"), ("gnmt", "8gpu"), ("transformer", "1gpu"),
+    ("transformer", "8gpu"), ("nnunet", "2d_1gpu"), ("nnunet", "3d_1gpu"),
+    ("tacotron2", "1gpu")))
 
 
 def out_of_scope() -> list[OutOfScope]:
@@ -675,6 +699,8 @@ def out_of_scope() -> list[OutOfScope]:
          "its own link"),
         *((f"mixed-precision speed-up (TF32 to AMP), ResNet-50, {g} A100",
            f"dle_rn50.dgxa100_amp_{g}gpu_ips", "x", _AMP_LAYOUT) for g in (1, 8)),
+        *((f"mixed-precision speed-up (TF32 to AMP), {_entry(key)['quantity']}",
+           key, "x", _AMP_STEP) for key in AMP_SPEEDUPS),
         *((f"GPipe AmoebaNet-D on {n} P40s, {m} micro-batch"
            f"{'es' if m > 1 else ''}", f"torchgpipe.amoebanetd_n{n}m{m}_ips",
            "samples/s", _AMOEBA)
@@ -699,7 +725,7 @@ def out_of_scope() -> list[OutOfScope]:
     for setup, key, unit, reason in items:
         value = _entry(key)["value"]
         value = value["y"][0] if isinstance(value, dict) else v(key)
-        if unit == "x":  # a speed-up: AMP's throughput over TF32's
+        if unit == "x" and _entry(key)["unit"] != "x":  # AMP's over TF32's rate
             value /= v(key.replace("_amp_", "_tf32_"))
         out.append(OutOfScope(setup, float(value), unit, key, reason))
     return out
