@@ -375,6 +375,7 @@ def compare(
     tolerance: float = 0.05,
     quiet_cores: float = 0.5,
     processes: Callable[[], list[int]] | list[int] = (),
+    num_threads: int | None = None,
 ) -> Comparison:
     """Time each option ``repeats`` times, interleaved, and judge the difference.
 
@@ -391,7 +392,19 @@ def compare(
     ranks) leaves no trace here and must be reported. ``tolerance`` is the
     relative difference below which two times count as equal; ``quiet_cores``
     how many cores other programs may use during a run before it is set aside.
+    ``num_threads`` runs every option with that many torch threads (as
+    ``bench`` does; a copy's bandwidth is measured on one thread).
     """
+    if num_threads is not None:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            return compare(options, repeats, warmup, number, min_run_s, tolerance,
+                           quiet_cores, processes)
+        finally:
+            torch.set_num_threads(before)
     if not options:
         raise ValueError("compare() needs at least one option")
     if repeats < 1:
@@ -482,10 +495,16 @@ class Meter:
             + _tree_cpu_s([], descendants=True) - self._tree0
         )
         self.cpu_s = max(0.0, own) + self.reported
+        if self._load0 is None:
+            return
+        # the machine's counters tick every 10 ms: a block shorter than 0.1 s is
+        # judged by what other programs used over its first 0.1 s
+        span = max(self.wall_s, 0.1)
+        time.sleep(max(0.0, self._t0 + span - time.perf_counter()))
         load1 = _machine_busy_s()
-        if self._load0 is not None and load1 is not None and self.wall_s >= 0.1:
+        if load1 is not None:
             used = load1 - self._load0 - self.cpu_s
-            self.others_cores = max(0.0, used / self.wall_s)
+            self.others_cores = max(0.0, used / span)
 
     @property
     def busy_cores(self) -> float:

@@ -214,3 +214,18 @@ def test_a_meter_measures_a_block_and_names_disturbance(monkeypatch):
         busy.report(0.01)
     assert busy.disturbed and busy.others_cores > 1.0
     assert "run again" in str(busy)
+
+
+def test_a_meter_judges_a_short_block_over_its_first_tenth_of_a_second(monkeypatch):
+    """The machine's counters tick every 10 ms: a 20 ms block alone says nothing."""
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: 2.0 * time.perf_counter())
+    start = time.perf_counter()
+    with cmp.Meter() as busy:
+        time.sleep(0.02)
+    assert busy.wall_s < 0.09 <= time.perf_counter() - start
+    assert busy.others_cores is not None and busy.others_cores > 1.0
+    assert busy.disturbed
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: None)  # not Linux
+    with cmp.Meter() as unknown:
+        pass
+    assert unknown.others_cores is None and not unknown.disturbed
