@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from course_utils import banner, bench, for_device, kernels, reference, try_gpu
-from course_utils.compare import compare
+from course_utils.bench import synchronize
+from course_utils.compare import DISTURBED, compare
 from course_utils.devices import (
     FP32_LANES_PER_SM,
     DoesNotFit,
@@ -489,11 +490,12 @@ bw_patterns = {
     "random": torch.randperm(n_bw, generator=torch.Generator().manual_seed(0)).to(device),
 }
 useful_bytes = n_bw * (4 + 8 + 4)  # read src (float32) and idx (int64), write out
-bandwidth = {name: useful_bytes / bench(torch.take, src_t, idx, min_run_time=0.1,
-                                        num_threads=for_device(device, cpu=1, gpu=None)
-                                        ).median / 1e9
-             for name, idx in bw_patterns.items()}
-if on_gpu:
+gathers = compare({name: lambda idx=idx: (torch.take(src_t, idx), synchronize([device]))
+                   for name, idx in bw_patterns.items()},
+                  num_threads=for_device(device, cpu=1, gpu=None), min_run_s=0.1)
+print(gathers)
+bandwidth = {o.label: useful_bytes / o.median / 1e9 for o in gathers.options}
+if on_gpu and not gathers.disturbed:
     reference.record("01.gather_bandwidth", bandwidth, "GB/s", device)
 gpu_gather = kernels.gather_prediction()
 shown = reference.show("01.gather_bandwidth", local=bandwidth, unit="GB/s",
@@ -501,9 +503,9 @@ shown = reference.show("01.gather_bandwidth", local=bandwidth, unit="GB/s",
 here = bandwidth["coalesced"] / bandwidth["random"]
 gpu_ratio = gpu_gather.value["coalesced"] / gpu_gather.value["random"]
 print(f"coalesced / random: {here:.2f}x here, {gpu_ratio:.2f}x predicted for the GPU")
-print("verdict: " + (f"scattered reads cost {here:.1f}x here" if here >= 1.2 else
-                     "the random gather was not clearly slower here (a busy "
-                     "machine can hide the gap) - run the cell again"))
+print("verdict: " + (DISTURBED if gathers.disturbed else
+                     f"scattered reads cost {here:.1f}x here" if here >= 1.2 else
+                     "the random gather was not clearly slower here"))
 kernels.plot_gather(shown, n_bw)
 
 # %% [markdown]
@@ -613,16 +615,15 @@ def branch_per_group(x, even, steps):  # groups of 32 agree: each path on its ha
 
 x_div = torch.rand(2**18)
 even = torch.arange(x_div.numel()) % 2 == 0
-cpu_times = {}
-for _ in range(2):  # alternate the two, and keep each one's fastest run
-    for fn in (branch_per_element, branch_per_group):
-        t = min(bench(fn, x_div, even, 8, min_run_time=0.05, num_threads=1).times)
-        cpu_times[fn.__name__] = min(t, cpu_times.get(fn.__name__, t))
-cpu_ratio = cpu_times["branch_per_element"] / cpu_times["branch_per_group"]
+divergence = compare({fn.__name__: lambda fn=fn: fn(x_div, even, 8)
+                     for fn in (branch_per_element, branch_per_group)},
+                    repeats=3, min_run_s=0.05, num_threads=1)
+print(divergence)
+cpu_ratio = divergence.ratio
 print(f"one branch per element / per group of 32: {cpu_ratio:.2f}x")
-print("verdict: " + ("both paths ran for every element, as in a split warp"
-                     if cpu_ratio > 1.4 else
-                     "no clear cost here (disturbed by load?) - run the cell again"))
+print("verdict: " + (DISTURBED if divergence.disturbed else
+                     "both paths ran for every element, as in a split warp"
+                     if cpu_ratio > 1.4 else "no clear cost here"))
 kernels.show_divergence(cpu_ratio, gpu_div, device)
 
 # %% [markdown]

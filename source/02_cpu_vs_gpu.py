@@ -51,7 +51,7 @@ from course_utils import (
     try_gpu,
 )
 from course_utils.bench import format_seconds, synchronize
-from course_utils.compare import compare
+from course_utils.compare import DISTURBED, Meter, compare
 from course_utils.devices import cpu_facts, usable_physical_cores
 from course_utils.errors import DoesNotFit
 
@@ -342,27 +342,28 @@ def careful_timing(size, dev, steps=1000, repeats=3):
 table_sizes = for_device(device, cpu=[4, 40, 400], gpu=[4, 40, 400, 4000])
 rows = {}
 print(f"{'size':>6} {'CPU seed':>10} {'CPU right':>10} {'GPU seed':>10} {'GPU right':>10}")
-for size in table_sizes:
-    row = {}
-    if size <= 400:
-        row["cpu_seed"] = seed_timing(size, "cpu")
-        row["cpu_right"] = careful_timing(size, "cpu")
-    if on_gpu:
-        torch.cuda.synchronize()
-        row["gpu_seed"] = seed_timing(size, device)
-        torch.cuda.synchronize()  # outside the timer: the next size starts clean
-        row["gpu_right"] = careful_timing(size, device)
-    rows[size] = row
-    cells = [f"{format_seconds(row[k]):>10}" if k in row else f"{'-':>10}"
-             for k in ("cpu_seed", "cpu_right", "gpu_seed", "gpu_right")]
-    print(f"{size:>6} " + " ".join(cells))
+with Meter() as table_run:  # what other programs did while the table was timed
+    for size in table_sizes:
+        row = {}
+        if size <= 400:
+            row["cpu_seed"] = seed_timing(size, "cpu")
+            row["cpu_right"] = careful_timing(size, "cpu")
+        if on_gpu:
+            torch.cuda.synchronize()
+            row["gpu_seed"] = seed_timing(size, device)
+            torch.cuda.synchronize()  # outside the timer: the next size starts clean
+            row["gpu_right"] = careful_timing(size, device)
+        rows[size] = row
+        cells = [f"{format_seconds(row[k]):>10}" if k in row else f"{'-':>10}"
+                 for k in ("cpu_seed", "cpu_right", "gpu_seed", "gpu_right")]
+        print(f"{size:>6} " + " ".join(cells))
 cpu_ratio = [rows[s]["cpu_seed"] / rows[s]["cpu_right"] for s in table_sizes if s <= 400]
 print("CPU seed/right ratio per size:", ", ".join(f"{r:.2f}" for r in cpu_ratio))
+print(table_run)
 agree = 0.7 < cpu_ratio[-1] < 1.4
-print("verdict at n = 400: the two CPU columns "
-      + ("agree within noise (a CPU operator finishes before it returns)" if agree
-         else f"differ by {cpu_ratio[-1]:.2f}x: one of the runs was disturbed by "
-              "other work on this machine (run the cell again)"))
+print("verdict at n = 400: " + (DISTURBED if table_run.disturbed else
+      "the two CPU columns agree within noise (a CPU operator finishes before it "
+      "returns)" if agree else f"the two CPU columns differ by {cpu_ratio[-1]:.2f}x"))
 
 # %% [markdown]
 # On the CPU the two columns should agree within noise for the larger sizes

@@ -415,26 +415,27 @@ print(f"the model's best number of workers: about {best_n:.0f}; with 16 workers 
 #
 # Drag the slider to change the array size (powers of ten, from a thousand to
 # half a million). The plot redraws serial, `Pool` and vectorised times at
-# that size, measured now.
+# that size, measured now through the protocol: the bars are medians, the
+# whiskers each option's range, and the verdicts compare each with serial.
 
 # %%
 def compare_at(exponent=4.0):
     n = int(10**exponent)
     data = np.random.default_rng(1).integers(1, 7, n)
-    times = {}
-    for way in ("serial", "Pool", "vectorised (numpy)"):
-        t0 = time.perf_counter()
-        WAYS[way](data, 2)
-        times[way] = time.perf_counter() - t0
+    ways = ("serial", "Pool", "vectorised (numpy)")
+    run = compare({w: lambda w=w: WAYS[w](data, 2) for w in ways}, repeats=3,
+                  min_run_s=0.05)
+    medians = [run[w].median for w in ways]
+    spread = [[m - run[w].low for w, m in zip(ways, medians, strict=True)],
+              [run[w].high - m for w, m in zip(ways, medians, strict=True)]]
     fig, ax = plt.subplots(figsize=(5.6, 2.8))
-    ax.barh(list(times), list(times.values()), color=["tab:blue", "tab:orange",
-                                                        "tab:red"])
+    ax.barh(ways, medians, xerr=spread, color=["tab:blue", "tab:orange", "tab:red"])
     ax.set_xscale("log")
-    ax.set_xlabel("seconds (log scale)")
+    ax.set_xlabel("seconds per call (log scale)")
     ax.set_title(f"n = {n:,}")
     plt.tight_layout()
     plt.show()
-    print(f"fastest at n = {n:,}: {min(times, key=times.get)}")
+    print(run.verdict)
 
 
 widgets.interact(compare_at, exponent=widgets.FloatSlider(
@@ -632,17 +633,15 @@ finally:
 def matmul_task(threads):
     torch.set_num_threads(threads)
     a = torch.randn(384, 384)
-    c0 = time.process_time()
     for _ in range(12):
         a @ a
-    return time.process_time() - c0  # this worker's CPU seconds, all its threads
 
 
 fit = max(1, CORES // 2)
-with pool(2, threads=4 * fit) as workers:
+with pool(2, threads=4 * fit) as workers:  # its workers' CPU seconds count as ours
     oversubscribed = compare({
-        f"2 processes x {k} thread(s)": lambda k=k: {"cpu_s": sum(
-            workers.map_async(matmul_task, [k, k], chunksize=1).get(timeout=60))}
+        f"2 processes x {k} thread(s)": lambda k=k: workers.map_async(
+            matmul_task, [k, k], chunksize=1).get(timeout=60)
         for k in (fit, 4 * fit)}, repeats=3)
 print(oversubscribed)
 print({"slower": "oversubscribed: slower, the threads fought over the cores",
