@@ -48,8 +48,13 @@ lab: setup
 	@$(PY) -m course_utils.build > /dev/null  # stamps this Python's version
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) $(LAB_FLAGS) $(LAB_EXTRA)
 
+# Most tests wait (for processes to start, for a timeout to expire) more than
+# they compute: two workers, each running whole test files, keep both cores of
+# a small machine busy. TEST_WORKERS=0 runs them in this process, one by one.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 notebooks: setup
 	$(PY) -m course_utils.build
