@@ -192,6 +192,18 @@ def show_throughput(runs: dict[int, list]) -> None:
               f"which compute alone {min(compute):.1f}-{max(compute):.1f} ms")
 
 
+NODE_GPUS = 8  # GPUs of one NVLink node (DGX H100)
+
+
+def beyond_node_caveat() -> str:
+    """Chapter 6's slider past one node: the model keeps the node's link."""
+    ib = reference.published_entry("ndr_infiniband.bandwidth_per_direction_gbps")
+    return (f"caveat: not calibrated beyond {NODE_GPUS} GPUs (one node): no "
+            "published measurement checks it there, and the ring then crosses the "
+            f"network ({ib['value']} GB/s per GPU each way, InfiniBand NDR), "
+            "which these bars do not model")
+
+
 def scaling_slider(predicted_step: Callable[[int, int, str], tuple[float, float]]):
     """Sliders for tokens per GPU and GPU count over ``predicted_step``'s
     compute and all-reduce times (seconds) on NVLink 4 and PCIe 5.0."""
@@ -221,6 +233,8 @@ def scaling_slider(predicted_step: Callable[[int, int, str], tuple[float, float]
                   f"{reduce * 1e3:6.1f} ms: {compute / (compute + reduce):4.0%} (no "
                   f"overlap) to {compute / max(compute, reduce):4.0%} (full overlap) "
                   f"of {n} x one GPU's throughput")
+        if n > NODE_GPUS:
+            print(beyond_node_caveat())
         ax.set_yticks(range(len(links)), [name for _, name in links])
         ax.set_xlabel("time per step (ms)")
         ax.set_title(f"Predicted (a model, not measured): {n} x "

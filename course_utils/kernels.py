@@ -114,7 +114,9 @@ def gather_prediction() -> reference.Figure:
         "sector model: useful GB/s = achieved HBM bandwidth "
         f"({predict.memory_efficiency():.0%} of the datasheet's) x 16 useful / "
         "bytes moved per element (16 coalesced, 44 scattered)",
-        [f"{H100}.memory_bandwidth_gbps", *predict.MEMORY_EFFICIENCY_INPUTS])
+        [f"{H100}.memory_bandwidth_gbps", *predict.MEMORY_EFFICIENCY_INPUTS],
+        caveat="not calibrated: the HBM rate is (a device-to-device copy), but no "
+        "published measurement of a gather was found to check the sector counts")
 
 
 def _scalar(fig: reference.Figure, value, unit: str) -> reference.Figure:

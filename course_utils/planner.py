@@ -184,7 +184,8 @@ def network_allreduce_seconds(nbytes: float, n: int) -> reference.Figure:
         f"ring all-reduce: latency {predict.collective_latency() * 1e6:.0f} us + "
         f"2(n-1)/n x bytes / {bw / 1e9:.0f} GB/s (one port per GPU, line rate), "
         f"n={n}, {nbytes:.3g} bytes",
-        [NETWORK_KEY, *predict.COLLECTIVE_LATENCY_INPUTS])
+        [NETWORK_KEY, *predict.COLLECTIVE_LATENCY_INPUTS],
+        caveat=predict.NETWORK_CAVEAT)
 
 
 def step_parts(model: Decoder, layout: Layout, gpu: str, seq: int, global_batch: int,
@@ -241,7 +242,31 @@ def step_seconds(model: Decoder, layout: Layout, gpu: str, seq: int,
         "compute at achieved FLOP/s with the pipeline bubble, collectives "
         "not overlapped",
         [_peak_key(gpu), *predict.MATMUL_EFFICIENCY_INPUTS,
-         NETWORK_KEY])
+         NETWORK_KEY], caveat=step_caveat(layout, gpu, gpus_per_node))
+
+
+def step_caveat(layout: Layout, gpu: str, gpus_per_node: int = 8) -> str:
+    """The terms of ``step_seconds`` that no calibration pair checks (Chapter 13).
+
+    Checked: compute at one large matmul's rate, a 2-stage bubble and an
+    all-reduce inside a node. Not: collectives at line rate (tensor parallel),
+    anything across nodes, bubbles of more stages.
+    """
+    terms = []
+    if layout.tp > 1:
+        terms.append("tensor-parallel collectives (line rate, no latency)")
+    across = (layout.dp * layout.tp > gpus_per_node
+              or NODE_LINK[gpu] not in predict.LINKS)
+    if layout.dp > 1 and across:
+        terms.append("the data-parallel all-reduce across nodes (line rate)")
+    if layout.pp > 1:
+        terms.append("pipeline sends across nodes")
+    if layout.pp > 2:
+        terms.append(f"the bubble of {layout.pp} stages (checked for 2)")
+    if not terms:
+        return ""
+    return ("not calibrated: " + ", ".join(terms) + "; each optimistic (line "
+            "rates, equal stages), while overlapping nothing is pessimistic")
 
 
 def divisors(n: int) -> list[int]:

@@ -335,7 +335,25 @@ def kernel_seconds(flops: float, bytes_moved: float, gpu: str, math: str = "fp32
         f"and {memory_efficiency():.0%} of peak bandwidth",
         [peak_key(gpu, math), f"{gpu}.memory_bandwidth_gbps", *LAUNCH_INPUTS,
          *MATMUL_EFFICIENCY_INPUTS, *MEMORY_EFFICIENCY_INPUTS],
+        caveat=kernel_caveat(bound, math),
     )
+
+
+def kernel_caveat(bound: str, math: str) -> str:
+    """What of ``kernel_seconds`` no calibration pair checks (Chapters 2, 11).
+
+    Memory-bound kernels and bf16 matmuls are checked; the launch cost is not,
+    and other math modes only through the FP32-to-TF32 ratio on an A100.
+    """
+    if bound == "launch":
+        return ("not calibrated: launch-bound, and no published measurement "
+                "checks the launch cost (see the out-of-scope list of "
+                "python -m course_utils.predict --calibration)")
+    if bound == "compute" and math != "bf16":
+        return (f"not calibrated for {math}: the fraction of peak is bf16 "
+                "matmuls'; for other math modes only the FP32-to-TF32 ratio of "
+                "an A100 checks it")
+    return ""
 
 
 def calibrated_copy_seconds(nbytes: float, link: str = "pcie4_x16", gpu: str = "",
@@ -821,8 +839,28 @@ def tp_layer_comm_seconds(tokens: int, hidden: int, tp: int,
         f"{collectives} ring all-reduces of a ({tokens}, {hidden}) activation, "
         f"{dtype_bytes} bytes each: {collectives} x 2(t-1)/t x bytes / link "
         f"bandwidth ({bw / 1e9:.4g} GB/s each way), t={tp}, no latency, no overlap",
-        [key],
+        [key], caveat=tp_comm_caveat(t / collectives, nbytes, tp, link),
     )
+
+
+NETWORK_CAVEAT = ("not calibrated: no published measurement of an all-reduce across "
+                  "nodes was found; the model has the port's line rate and no "
+                  "protocol overhead, so it is optimistic")
+
+
+def tp_comm_caveat(t_one: float, nbytes: float, tp: int, link: str) -> str:
+    """What of ``tp_layer_comm_seconds`` no calibration pair checks (Chapter 10).
+
+    ``t_one`` is its time for one all-reduce. Inside a node the calibrated
+    ``allreduce_seconds`` of the same bytes says how far the line rate is
+    off; no published measurement across nodes was found.
+    """
+    if link not in LINKS:
+        return NETWORK_CAVEAT
+    ratio = allreduce_seconds(nbytes, tp, link).value / t_one
+    return ("not calibrated: line rate and no latency; the calibrated NCCL "
+            f"all-reduce of the same bytes (allreduce_seconds) takes {ratio:.2f}x "
+            "as long")
 
 
 def exchange_seconds(sent_bytes: float, peers: int, link: str = "nvlink_h100",
@@ -848,7 +886,13 @@ def exchange_seconds(sent_bytes: float, peers: int, link: str = "nvlink_h100",
         f"(the rate NCCL reaches), every GPU at its full link bandwidth",
         [LINKS[link][0], *COLLECTIVE_LATENCY_INPUTS,
          *(NVLINK_EFFICIENCY_INPUTS if link.startswith("nvlink")
-           else PCIE_EFFICIENCY_INPUTS)])
+           else PCIE_EFFICIENCY_INPUTS)],
+        caveat=EXCHANGE_CAVEAT)
+
+
+EXCHANGE_CAVEAT = ("not calibrated: no published measurement of a point-to-point "
+                   "send or an all-to-all was found; its latency and rate are "
+                   "those of the all-reduces the calibration checks")
 
 
 if __name__ == "__main__":

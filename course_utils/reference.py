@@ -70,7 +70,9 @@ class Figure:
     ``value`` is a number or JSON-like data (a curve ``{"x": [...], "y": [...]}``,
     a table, a timeline). ``source`` is what the label says after the device:
     the date and versions of a recording, the title and year of a publication,
-    the model and inputs of a prediction.
+    the model and inputs of a prediction. ``caveat`` says, for a prediction
+    no calibration pair checks, which part is not calibrated; the label ends
+    with it.
     """
 
     kind: str
@@ -80,6 +82,7 @@ class Figure:
     source: str = ""
     measures: str = ""
     extra: dict = field(default_factory=dict, repr=False)
+    caveat: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -92,7 +95,8 @@ class Figure:
                 "recorded": f"recorded on {self.device}",
                 "published": f"published, {self.device}",
                 "predicted": f"predicted for {self.device}"}[self.kind]
-        return f"{head} ({self.source})" if self.source else head
+        label = f"{head} ({self.source})" if self.source else head
+        return f"{label}. Caveat: {self.caveat}" if self.caveat else label
 
     @property
     def legend(self) -> str:
@@ -277,10 +281,11 @@ def published(key: str) -> Figure:
 
 
 def predicted(value, unit: str, gpu: str, model: str,
-              inputs: list[str] | str = ()) -> Figure:
+              inputs: list[str] | str = (), caveat: str = "") -> Figure:
     """A prediction for ``gpu``: the model's formula and its inputs' sources.
 
-    ``inputs`` are published ids (their sources are cited) or plain text.
+    ``inputs`` are published ids (their sources are cited) or plain text;
+    ``caveat`` (one line) names what of the model no calibration pair checks.
     """
     if isinstance(inputs, str):
         inputs = [inputs]
@@ -293,7 +298,8 @@ def predicted(value, unit: str, gpu: str, model: str,
         except KeyError:
             cited.append(item)
     source = f"model: {model}" + (f"; inputs: {'; '.join(cited)}" if cited else "")
-    return Figure("predicted", value, unit, gpu, source, measures=model)
+    return Figure("predicted", value, unit, gpu, source, measures=model,
+                  caveat=caveat)
 
 
 def device_name(device: torch.device | str) -> str:

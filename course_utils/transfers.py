@@ -47,6 +47,20 @@ def matmul_seconds(n: int) -> float:
     return predict.roofline_seconds(2 * n**3, 3 * 4 * n * n, "h100_sxm").value
 
 
+def matmul_caveat(more: str = "") -> str:
+    """The caveat of a prediction whose matmuls run at the roofline's pace."""
+    return (f"not calibrated: matmuls at the datasheet FP32 peak, a bound (large bf16 "
+            f"matmuls reach {predict.matmul_efficiency():.0%} of theirs){more}")
+
+
+def h2d_caveat() -> str:
+    """Host-to-device copies are out of the calibration's scope: how far off."""
+    pub = reference.published_entry("bwtest.a100_pcie_pinned_h2d_gbps")["value"]
+    model = predict.achieved_link_bandwidth("pcie4_x16") / 1e9
+    return ("; host-to-device copies are not checked: a published A100 PCIe "
+            f"server's pinned ones reached {pub / model:.2f}x this model's rate")
+
+
 def two_stream_speedup(n: int, tile: int = 128) -> float:
     """Speed-up of two concurrent n x n matmuls over one after the other.
 
@@ -248,6 +262,10 @@ def two_stream_sweep(side, device) -> dict:
     return out
 
 
+TWO_STREAM_CAVEAT = ("not calibrated: no published measurement of two concurrent "
+                     "matmuls of a stated size was found; the tile size is assumed")
+
+
 def plot_two_streams(sweep: dict | None, cpu_ratio: float, cpu_n: int,
                      device="cpu") -> None:
     """Speed-up of a second stream: this GPU, recorded, predicted, the seed's, CPU."""
@@ -259,7 +277,8 @@ def plot_two_streams(sweep: dict | None, cpu_ratio: float, cpu_n: int,
         "s", H100,
         "two matmuls at the roofline's pace; one stream runs them one after the "
         "other, two streams at once as far as SMs are free: speed-up = min(2 tiles, "
-        "SMs) / min(tiles, SMs), 128 x 128 output tiles assumed", MATMUL_INPUTS)
+        "SMs) / min(tiles, SMs), 128 x 128 output tiles assumed", MATMUL_INPUTS,
+        caveat=TWO_STREAM_CAVEAT)
     seed = reference.published("seed003.matmul_one_vs_two_streams_seconds")
     runs = [r for r in seed.value if r["one_stream_s"]]
     seed_speedup = sum(r["one_stream_s"] / r["multiple_streams_s"]
@@ -354,7 +373,7 @@ def show_two_stream_timelines(side, device) -> None:
         {"one_stream": _predicted_matmul_spans(1024, 4, False),
          "two_streams": _predicted_matmul_spans(1024, 4, True)},
         "s", H100, "the two-stream model above for n = 1024 (64 tiles, 132 SMs)",
-        MATMUL_INPUTS)
+        MATMUL_INPUTS, caveat=TWO_STREAM_CAVEAT)
     show_timelines("03.two_streams_timeline", local,
                    [("one_stream", "A@B and C@D on ONE stream"),
                     ("two_streams", "A@B on the default stream, C@D on a side stream")],
@@ -583,7 +602,8 @@ def show_copy_compute(side, device) -> None:
         reference.record("03.copy_compute", local, "s", device)
         reference.record("03.copy_compute_timeline", timelines, "s", device)
     rule = reference.predicted(copy_model(8, 4096), "s", H100_PCIE5,
-                               COPY_MODEL + " (k = 8, n = 4096)", COPY_INPUTS)
+                               COPY_MODEL + " (k = 8, n = 4096)", COPY_INPUTS,
+                               caveat=matmul_caveat("; the copies are calibrated"))
     show_gpu("03.copy_compute", [rule], lambda v: [
         print(f"  {mode:>32}: {sec * 1e3:7.1f} ms") for mode, sec in v.items()])
     spans_rule = reference.predicted(
@@ -669,6 +689,7 @@ def draw_overlap(copy_mib: float = 64.0, matmul_n: int = 4096, chunks: int = 4) 
     bound = "copies" if cp_s > mm_s else "compute"
     print(f"matmul {mm_s * 1e3:.3f} ms, copy {cp_s * 1e3:.3f} ms per chunk: "
           f"{bound}-bound; the copy stream saves {(1 - c / t):.0%}")
+    print("caveat: " + matmul_caveat("; the copies are calibrated"))
 
 
 def overlap_slider():
@@ -696,7 +717,8 @@ def show_prefetch_prediction() -> None:
         {"serial": 8 * (step + copy), "prefetched": copy + 7 * max(step, copy) + step},
         "s", H100_PCIE5,
         "8 batches of 64 MiB, a 4096 matmul per step: on one stream copy + step add "
-        "up; prefetched, each copy hides under the previous step", COPY_INPUTS)
+        "up; prefetched, each copy hides under the previous step", COPY_INPUTS,
+        caveat=matmul_caveat(h2d_caveat()))
     show_gpu("03.prefetch", [rule], lambda v: print("  ", {
         k: f"{s * 1e3:.2f} ms" for k, s in v.items()}))
 
@@ -759,7 +781,9 @@ def show_two_devices(timings: dict | None, device) -> None:
         {"GPU 0 alone": gpu_40, "GPU 1 alone": gpu_40, "GPU 0 and GPU 1": gpu_40},
         "s", "two H100s", "40 matmuls of 4096 at the roofline's pace on each; with "
         "no synchronize between them the two queues run at once: both take as long "
-        "as one", ["h100_sxm.fp32_tflops"])
+        "as one", ["h100_sxm.fp32_tflops"],
+        caveat=matmul_caveat("; no published measurement of two GPUs at once was "
+                             "found"))
     seeds = [reference.published("seed001.matmul50_single_gpu_seconds"),
              reference.published("seed001.matmul50_two_gpus_seconds")]
 

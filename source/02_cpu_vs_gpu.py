@@ -787,7 +787,9 @@ overlap = reference.predicted(
     2.0, "x (at most)", "any CUDA GPU",
     "launching (CPU) and computing (GPU) overlap without the per-step read and "
     "add up with it: ratio = (launch + compute) / max(launch, compute), at most 2, "
-    "reached when the two are equal")
+    "reached when the two are equal",
+    caveat="not calibrated: no published measurement of this ratio was found; the "
+    "wait and the copy of .item() are left out, so a real ratio can pass 2")
 roofline.show("02.item_per_step", figures=[overlap], lines=lambda f: [
     ".item() every step / sync once: "
     f"{f.value['epoch_item_every_step'] / f.value['epoch_sync_once']:.2f}"]

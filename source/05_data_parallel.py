@@ -400,7 +400,9 @@ memory = reference.predicted(
     "4 GPUs under DataParallel",
     "bytes per parameter counted above on 3 CPU 'devices' (parameters, gradients "
     "reaching each replica, summed .grad, Adam's state), times P = 1e9; "
-    "activations left out")
+    "activations left out",
+    caveat="not calibrated: no published measurement of DataParallel's memory per "
+    "GPU was found; activations, the CUDA context and allocator rounding add to it")
 for k, v in memory.value.items():
     print(f"  {k}: {v:5.1f} GiB")
 print(f"  [{memory.label}]")

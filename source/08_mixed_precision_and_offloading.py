@@ -883,6 +883,12 @@ for n_params_half in (half_bytes / 4, 3.5e9):
                                         "a GPU on PCIe 4.0 x16")
     print(f"  moving a half of {n_params_half:.3g} fp32 parameters in and out: "
           f"{format_seconds(f.value)} per step [{f.label}]")
+slower = (predict.calibrated_copy_seconds(1e9, pinned=False).value
+          / predict.calibrated_copy_seconds(1e9).value)
+print(f"caveat: only device-to-host copies are calibrated; .to() copies pageable "
+      f"memory, {slower:.1f}x slower by the pageable model, and a published "
+      "server's pageable host-to-device copies were slower still "
+      f"({reference.published('bwtest.a100_pcie_pageable_h2d_gbps').value} GB/s)")
 
 # %% [markdown]
 # ## Summary

@@ -948,7 +948,10 @@ reference.show("09.fsdp2_8x1024_peak_bytes_2gpus", unit="B", figures=[
     reference.predicted((1024 * 1024 + 1024) * 8 * 16 / 2,
                         "B", "2 GPUs, any kind",
                         "model states only: 16 bytes per parameter (fp32 weight, "
-                        "gradient, Adam's 2 moments), sharded over 2 ranks")],
+                        "gradient, Adam's 2 moments), sharded over 2 ranks",
+                        caveat="not calibrated: activations, the allocator's "
+                        "rounding and NCCL's buffers are left out, so a GPU's "
+                        "peak is higher")],
     fmt="{:.4g}")
 
 # %% [markdown]

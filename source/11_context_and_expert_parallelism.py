@@ -643,6 +643,8 @@ for seq in (8192, 32768, 131072):
           f"{transfer.value * 1e6:5.1f} us -> "
           + ("hidden" if compute.value > transfer.value else "exposed"))
 print(f"[{compute.label}]\n[{transfer.label}]")
+print("caveat: not calibrated for attention: the block runs at a large matmul's "
+      "rate, and no published measurement of an attention kernel was found")
 
 # %% [markdown]
 # The compute per step grows as `(S/N)^2` and the transfer as `S/N`, so the

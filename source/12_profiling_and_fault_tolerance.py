@@ -616,6 +616,8 @@ plt.title(f"predicted (Young 1974), M = {mtbf_h:.1f} h (Llama 3 405B, published)
           "save times assumed", fontsize=9)
 plt.legend(fontsize=8)
 plt.show()
+print("caveat: not calibrated: no published measurement of the time a run lost to "
+      "checkpoints was found; the save times are assumed and restarts left out")
 
 # %% [markdown]
 # Two lessons from the curves: at this failure rate a checkpoint every few
