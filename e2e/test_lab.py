@@ -176,22 +176,28 @@ def _run_everything(page, name: str, n_cells: int) -> list[dict]:
         if cell["index"] + 1 >= len(cells):
             return cells
         # on the prompt area: the cell becomes the active one (the collapser
-        # bar at the far left only folds a code cell's input)
-        page.locator(".jp-Notebook .jp-Cell").nth(cell["index"] + 1).click(
-            position={"x": 40, "y": 8})
-        _menu(page, "Run", "Run Selected Cell and All Below")
-        _wait_started(page, cell["index"] + 1)
+        # bar at the far left only folds a code cell's input); a click that
+        # lands while the notebook still scrolls or re-renders selects another
+        # cell, so the run is checked and, if nothing below started, retried
+        for _attempt in range(3):
+            page.locator(".jp-Notebook .jp-Cell").nth(cell["index"] + 1).click(
+                position={"x": 40, "y": 8})
+            _menu(page, "Run", "Run Selected Cell and All Below")
+            if _wait_started(page, cell["index"] + 1):
+                break
+            _wait_idle(page, CELL_TIMEOUT_S * 3)
     return _cells(page)
 
 
-def _wait_started(page, first: int, timeout_s: float = 30) -> None:
+def _wait_started(page, first: int, timeout_s: float = 30) -> bool:
     """Until the first code cell from ``first`` on is queued, running or done."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         below = [c for c in _cells(page)[first:] if c["code"]]
         if not below or re.search(r"\[(\*|\d+)\]", below[0]["prompt"]):
-            return
+            return True
         time.sleep(0.25)
+    return False
 
 
 def _code(name: str) -> str:
