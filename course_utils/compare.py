@@ -21,9 +21,12 @@ faster. So every comparison follows one protocol:
   (more busy cores, or less CPU work);
 - the CPU seconds the whole machine spent during each run (``/proc/stat`` on
   Linux) minus ours tells how many cores *other programs* used; a run during
-  which they used more than ``quiet_cores`` is set aside. With too few quiet
-  runs left the verdict is "disturbed: another program used the cores - run
-  again", never a speed-up. The load average before and after is printed too.
+  which they used more than ``quiet_cores`` is set aside, unless the kernel's
+  CPU pressure (``/proc/pressure/cpu``) shows that no task waited for a core
+  meanwhile: then they ran on cores the run left idle (one busy program
+  beside a one-thread run on two cores), which did not slow it. With too few
+  quiet runs left the verdict is "disturbed: another program used the cores -
+  run again", never a speed-up. The load average before and after is printed too.
 
 The verdict is one of ``faster``, ``slower``, ``the same within noise`` or
 ``disturbed: ...``: "faster" needs the second option faster in (nearly) every
@@ -89,6 +92,24 @@ def _machine_busy_s() -> float | None:
     return (total - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_stall_s() -> float | None:
+    """Seconds during which some runnable task waited for a CPU, since boot.
+
+    Linux's pressure stall information (``/proc/pressure/cpu``, "some"); None
+    where it is missing (other systems, older kernels).
+    """
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(f.readline().split("total=")[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# a run during which tasks waited for a core this share of its time or less
+# was not slowed by other programs, whatever they used on the other cores
+STALL_QUIET = 0.05
+
+
 def _children_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -110,13 +131,22 @@ class Run:
     others_cores: float | None  # None where the machine's counters are unknown
     ours_s: float = 0.0  # CPU seconds of the whole run, ours, not per call
     span_s: float = 0.0  # wall seconds of the whole run
+    stall: float | None = None  # share of the run some task waited for a core
 
     @property
     def busy_cores(self) -> float:
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def quiet(self, quiet_cores: float) -> bool:
-        return self.others_cores is None or self.others_cores <= quiet_cores
+        return _undisturbed(self.others_cores, self.stall, quiet_cores)
+
+
+def _undisturbed(others: float | None, stall: float | None,
+                 quiet_cores: float) -> bool:
+    """Other programs used few cores, or none of their work made a task wait."""
+    if others is None or others <= quiet_cores:
+        return True
+    return stall is not None and stall <= STALL_QUIET
 
 
 @dataclass
@@ -280,7 +310,7 @@ def _timed(
 ) -> Run:
     """One run of ``number`` calls; times and CPU seconds are per call."""
     pids = watched()
-    load0 = _machine_busy_s()
+    load0, stall0 = _machine_busy_s(), _cpu_stall_s()
     own0, kids0 = time.process_time(), _children_cpu_s()
     tree0 = _tree_cpu_s(pids, descendants=True)
     t0 = time.perf_counter()
@@ -296,17 +326,20 @@ def _timed(
     # children's rusage, with all its CPU seconds: the sum counts each once
     tree = _tree_cpu_s(pids, descendants=True) - tree0
     own = max(0.0, time.process_time() - own0 + _children_cpu_s() - kids0 + tree)
-    load1 = _machine_busy_s()
+    load1, stall1 = _machine_busy_s(), _cpu_stall_s()
     ours = own + reported_cpu
-    others = None
+    others = stall = None
     # the counters tick every 10 ms on each core: too coarse for a short run
     if load0 is not None and load1 is not None and wall >= 0.1:
         others = max(0.0, (load1 - load0 - own - elsewhere) / wall)
+    if stall0 is not None and stall1 is not None and wall >= 0.1:
+        stall = (stall1 - stall0) / wall
     if reported_wall > 0:
         wall_s, cpu_s = reported_wall / number, reported_cpu / number
     else:
         wall_s, cpu_s = wall / number, ours / number
-    return Run(wall_s, cpu_s, others, ours_s=own + elsewhere, span_s=wall)
+    return Run(wall_s, cpu_s, others, ours_s=own + elsewhere, span_s=wall,
+               stall=stall)
 
 
 def _judge(
@@ -423,19 +456,23 @@ def compare(
         if number is None and warmup and 0 < quickest < min_run_s:
             opt.number = min(1000, math.ceil(min_run_s / quickest))
     load_before = _load()
-    machine0, start = _machine_busy_s(), time.perf_counter()
+    machine0, stall0, start = _machine_busy_s(), _cpu_stall_s(), time.perf_counter()
     for _ in range(repeats):
         for opt in opts:
             opt.runs.append(_timed(fns[opt.label], opt.number, watched))
-    machine1, span = _machine_busy_s(), time.perf_counter() - start
-    pooled = None  # what other programs used over all the runs together
+    machine1, stall1 = _machine_busy_s(), _cpu_stall_s()
+    span = time.perf_counter() - start
+    pooled = pooled_stall = None  # over all the runs together
     if machine0 is not None and machine1 is not None and span >= 0.1:
         ours = sum(r.ours_s for o in opts for r in o.runs)
         pooled = max(0.0, (machine1 - machine0 - ours) / span)
+    if stall0 is not None and stall1 is not None and span >= 0.1:
+        pooled_stall = (stall1 - stall0) / span
     for opt in opts:
         for run in opt.runs:
             if run.others_cores is None:
-                run.others_cores = pooled  # a short run: the pooled estimate
+                run.others_cores = pooled  # a short run: the pooled estimates
+                run.stall = pooled_stall
             quiet = run.quiet(quiet_cores)
             if run.others_cores is None and idle_load is not None:
                 # no counters (not Linux, or too short): trust only an idle start
@@ -475,13 +512,14 @@ class Meter:
         self.reported = 0.0
         self.wall_s = self.cpu_s = 0.0
         self.others_cores: float | None = None
+        self.stall: float | None = None  # share of the block a task waited for a core
 
     def report(self, cpu_s: float) -> None:
         """Add CPU seconds that processes this one does not see used for it."""
         self.reported += cpu_s
 
     def __enter__(self) -> Meter:
-        self._load0 = _machine_busy_s()
+        self._load0, self._stall0 = _machine_busy_s(), _cpu_stall_s()
         self._own0, self._kids0 = time.process_time(), _children_cpu_s()
         self._tree0 = _tree_cpu_s([], descendants=True)
         self._t0 = time.perf_counter()
@@ -501,10 +539,12 @@ class Meter:
         # judged by what other programs used over its first 0.1 s
         span = max(self.wall_s, 0.1)
         time.sleep(max(0.0, self._t0 + span - time.perf_counter()))
-        load1 = _machine_busy_s()
+        load1, stall1 = _machine_busy_s(), _cpu_stall_s()
         if load1 is not None:
             used = load1 - self._load0 - self.cpu_s
             self.others_cores = max(0.0, used / span)
+        if self._stall0 is not None and stall1 is not None:
+            self.stall = (stall1 - self._stall0) / span
 
     @property
     def busy_cores(self) -> float:
@@ -512,7 +552,7 @@ class Meter:
 
     @property
     def disturbed(self) -> bool:
-        return self.others_cores is not None and self.others_cores > self.quiet_cores
+        return not _undisturbed(self.others_cores, self.stall, self.quiet_cores)
 
     def __str__(self) -> str:
         others = (

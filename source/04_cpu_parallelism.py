@@ -81,9 +81,11 @@ print(f"usable cores: {CORES}")
 # course uses from here on: the options run in turns (A B A B ...), each run
 # records its wall seconds and the CPU seconds of every process and thread
 # that worked for it, and the machine's own counters tell how many cores
-# *other* programs used meanwhile. Its verdict is "faster", "slower", "the same
-# within noise", or "disturbed: another program used the cores - run again"; a
-# disturbed timing is shown as a range, not one number.
+# *other* programs used meanwhile and whether any task had to wait for a core
+# (Linux's CPU pressure). Its verdict is "faster", "slower", "the same within
+# noise", or "disturbed: another program used the cores - run again" (other
+# programs ran and some task waited); a disturbed timing is shown as a range,
+# not one number.
 
 # %%
 def noop():

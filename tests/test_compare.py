@@ -5,11 +5,21 @@ not depend on how busy the machine is; the machine-wide counter is replaced by
 one that sees only this process, or one that sees another program.
 """
 
+import os
 import time
 
 import pytest
 
 import course_utils.compare as cmp
+
+READ_CPU_STALL = cmp._cpu_stall_s  # the real reader: tests below replace it
+
+
+@pytest.fixture(autouse=True)
+def tasks_wait_for_cores(monkeypatch):
+    """CPU pressure as on a machine whose cores are all taken: whatever another
+    program runs makes a task wait. Tests of the pressure rule replace it."""
+    monkeypatch.setattr(cmp, "_cpu_stall_s", time.perf_counter)
 
 
 @pytest.fixture
@@ -229,3 +239,44 @@ def test_a_meter_judges_a_short_block_over_its_first_tenth_of_a_second(monkeypat
     with cmp.Meter() as unknown:
         pass
     assert unknown.others_cores is None and not unknown.disturbed
+
+
+def test_another_program_on_an_idle_core_does_not_disturb(monkeypatch):
+    """One busy program beside a one-thread run on two cores: nothing waited."""
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: 2.0 * time.perf_counter())
+    monkeypatch.setattr(cmp, "_cpu_stall_s", lambda: 7.0)  # no task ever waits
+    result = compare({"slow": sleeper(0.2), "quick": sleeper(0.1)}, repeats=3)
+    assert result.options[0].others_cores > 0.9
+    assert result.outcome == "faster"
+    with cmp.Meter() as beside:
+        time.sleep(0.12)
+    assert beside.others_cores > 0.9 and not beside.disturbed
+
+
+def test_tasks_that_wait_for_a_core_while_others_run_disturb(monkeypatch):
+    stalled = {"s": 0.0}
+
+    def stall():  # a quarter of every run spent waiting for a core
+        stalled["s"] = 0.25 * time.perf_counter()
+        return stalled["s"]
+
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: 2.0 * time.perf_counter())
+    monkeypatch.setattr(cmp, "_cpu_stall_s", stall)
+    result = compare({"slow": sleeper(0.2), "quick": sleeper(0.1)}, repeats=3)
+    assert result.outcome == "disturbed"
+    assert result.options[0].runs[0].stall == pytest.approx(0.25, abs=0.05)
+    # without pressure information, other programs' use alone decides
+    monkeypatch.setattr(cmp, "_cpu_stall_s", lambda: None)
+    with cmp.Meter() as unknown:
+        time.sleep(0.12)
+    assert unknown.stall is None and unknown.disturbed
+
+
+def test_cpu_pressure_is_read_where_the_kernel_has_it():
+    stall = READ_CPU_STALL()
+    if os.path.exists("/proc/pressure/cpu"):
+        assert stall is not None and stall >= 0
+        time.sleep(0.05)
+        assert READ_CPU_STALL() >= stall
+    else:
+        assert stall is None
