@@ -20,7 +20,13 @@ launcher guarantees:
   it is imported keep the values they had when the server started.
 - **Rendezvous** on a free port of 127.0.0.1; a picked port that something
   else took in the meantime is retried once.
-- **Backend** ``nccl`` when there is a GPU per rank, ``gloo`` otherwise.
+- **Backend** ``nccl`` when there is a GPU per rank, ``gloo`` otherwise. A
+  group on GPUs is made with ``"cpu:gloo,cuda:nccl"``: nccl carries CUDA
+  tensors only, so gloo carries the CPU ones (CPU offloading, CPU-side
+  checkpoint helpers, any collective on a CPU tensor). ``dist.get_backend()``
+  then returns that whole string: a rank picks its device with
+  ``"nccl" in dist.get_backend()``, and groups and device meshes made from
+  the default group inherit both backends.
 - **Ranks start together.** With ``init=True`` no rank runs ``fn`` before
   every rank has its process group, so a rank that returns at once never
   closes connections that a slower one is still opening.
@@ -120,6 +126,17 @@ def choose_backend(nprocs: int) -> str:
     """``'nccl'`` when every rank can have its own GPU, else ``'gloo'`` (Chapter 6)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "nccl" if gpus >= nprocs else "gloo"
+
+
+def group_backend(backend: str) -> str:
+    """The backend string a launch's process group is made with. Chapters 6, 9.
+
+    ``"nccl"`` becomes ``"cpu:gloo,cuda:nccl"``: one group whose CUDA tensors
+    go through nccl and CPU tensors through gloo, since nccl alone fails on a
+    CPU tensor ("No backend type associated with device type cpu"). Any other
+    backend string is used as it is.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def _importable(fn: Callable) -> bool:
@@ -347,10 +364,11 @@ def _rank_main(payload: bytes) -> None:
         fn, args = cloudpickle.loads(job["fn_and_args"])
         if init:
             device = None
-            if backend == "nccl":  # bind the rank to its GPU (barrier uses it too)
+            if "nccl" in backend:  # bind the rank to its GPU (barrier uses it too)
                 device = torch.device("cuda", rank)
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, rank=rank, world_size=world_size,
+            dist.init_process_group(group_backend(backend), rank=rank,
+                                    world_size=world_size,
                                     timeout=timedelta(seconds=timeout),
                                     device_id=device)
             _wait_for_all_connected(rank, world_size, timeout)
@@ -675,7 +693,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
         raise LaunchError(f"threads must be 1 or more: got {threads!r}.")
     if backend is None:
         backend = choose_backend(nprocs)
-    elif backend == "nccl" and choose_backend(nprocs) != "nccl":
+    elif "nccl" in backend and choose_backend(nprocs) != "nccl":
         raise LaunchError(f"nccl needs a GPU for every rank: {nprocs} ranks, "
                           f"{torch.cuda.device_count()} GPUs. Use backend='gloo'.")
     if start_method:
@@ -687,7 +705,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
             raise LaunchError("threads > 1 cannot be forked from this process: a "
                               "forked rank must run one thread (OpenMP is not "
                               "fork-safe). Leave start_method out.")
-        if method == "fork" and backend == "nccl" and torch.cuda.is_initialized():
+        if method == "fork" and "nccl" in backend and torch.cuda.is_initialized():
             raise LaunchError("CUDA is initialised in this process, and a forked "
                               "process cannot use CUDA: leave start_method out.")
     else:
@@ -712,8 +730,9 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
              f"core{'s' if cores > 1 else ''}: they take turns"
              if nprocs * threads > cores else "")
     print(f"launching {nprocs} process{'es' if nprocs > 1 else ''}: {method}, "
-          f"backend {backend}, {threads} thread{'s' if threads > 1 else ''} "
-          f"each, rendezvous 127.0.0.1:{port}, timeout {timeout:g} s{why}{crowd}")
+          f"backend {group_backend(backend)}, {threads} "
+          f"thread{'s' if threads > 1 else ''} each, rendezvous 127.0.0.1:{port}, "
+          f"timeout {timeout:g} s{why}{crowd}")
     if method == "fork":  # DDP and the optimizers import torch._dynamo on first use
         importlib.import_module("torch._dynamo")  # once here, inherited by the ranks
     run = _run(fn, nprocs, args, timeout, backend, init, port, method, threads)

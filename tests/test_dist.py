@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from course_utils.dist import (
     LaunchError,
@@ -19,6 +20,7 @@ from course_utils.dist import (
     RankFailed,
     choose_backend,
     free_port,
+    group_backend,
     launch,
     pool,
     pool_map,
@@ -67,6 +69,66 @@ def test_all_reduce_with_gloo(capsys):
 
 def test_backend_choice():
     assert choose_backend(torch.cuda.device_count() + 1) == "gloo"
+    assert group_backend("nccl") == "cpu:gloo,cuda:nccl"  # CPU tensors too
+    assert group_backend("gloo") == "gloo"
+
+
+def cpu_tensors_in_the_launchers_groups(rank, world_size):
+    """CPU collectives in the default group and in a device mesh's groups,
+    on whatever device this rank owns, then FSDP2 with its shards on the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    on_gpu = "nccl" in dist.get_backend()
+    dev = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    t = torch.full((3,), float(rank + 1))  # a CPU tensor, whatever the rank owns
+    dist.all_reduce(t)
+    gathered = torch.empty(world_size)
+    dist.all_gather_into_tensor(gathered, torch.tensor([float(rank)]))
+    mesh = init_device_mesh(dev.type, (world_size, 1), mesh_dim_names=("a", "b"))
+    in_mesh = [torch.ones(1) for _ in range(2)]
+    for x, name in zip(in_mesh, ("a", "b"), strict=True):
+        dist.all_reduce(x, group=mesh.get_group(name))
+    on_dev = torch.ones(2, device=dev)
+    dist.all_reduce(on_dev)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    pin = torch.cuda.is_available()  # pinning needs CUDA
+    for layer in model:
+        fully_shard(layer, mesh=mesh["a"], offload_policy=CPUOffloadPolicy(pin))
+    fully_shard(model, mesh=mesh["a"], offload_policy=CPUOffloadPolicy(pin))
+    model(torch.randn(2, 4, device=dev)).sum().backward()
+    full = model[0].weight.full_tensor()  # an all-gather of CPU shards
+    return (dist.get_backend(), t, gathered, [x.item() for x in in_mesh],
+            on_dev.cpu(), str(model[0].weight.device), tuple(full.shape))
+
+
+def check_cpu_tensors_crossed(results, world_size, backend):
+    for r in results:
+        got_backend, t, gathered, in_mesh, on_dev, shard_device, full = r.value
+        assert got_backend == backend
+        assert torch.equal(t, torch.full((3,), world_size * (world_size + 1) / 2))
+        assert torch.equal(gathered, torch.arange(float(world_size)))
+        assert in_mesh == [world_size, 1]
+        assert torch.equal(on_dev, torch.full((2,), float(world_size)))
+        assert shard_device == "cpu" and full == (4, 4)
+
+
+def test_cpu_tensors_cross_the_launchers_group_on_cpu_ranks():
+    results = launch(cpu_tensors_in_the_launchers_groups, 2, backend="gloo",
+                     echo=False, timeout=120)
+    check_cpu_tensors_crossed(results, 2, "gloo")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU: the launcher makes a nccl group only for "
+                    "ranks that own one (the CPU twin above always runs)")
+def test_cpu_tensors_cross_the_launchers_group_on_gpu_ranks(capsys):
+    n = torch.cuda.device_count()  # one rank per GPU: the launcher picks nccl
+    results = launch(cpu_tensors_in_the_launchers_groups, n, echo=False,
+                     timeout=180)
+    assert "backend cpu:gloo,cuda:nccl" in capsys.readouterr().out
+    check_cpu_tensors_crossed(results, n, "cpu:gloo,cuda:nccl")
 
 
 def raises_on_rank_1(rank, world_size):
