@@ -19,10 +19,6 @@ import psutil
 
 from course_utils import plots, predict, reference
 from course_utils.bench import Sweep
-from course_utils.cleanup import (  # noqa: F401 - Chapter 6 uses leftover_processes
-    Interrupted,
-    leftover_processes,
-)
 from course_utils.compare import Stalled, wait_while_working
 from course_utils.dist import stop_tree
 
@@ -33,11 +29,8 @@ def run_command(cmd: Sequence, work: Path, limit_s: float, attempts: int = 1,
 
     No fixed time limit: it may run while it works (``limit_s`` at most); no
     CPU used for 15 s means it is stuck. A stuck or crashed run is tried again
-    (a torch 2.13 gloo worker can abort at exit after its work is done). The
-    command's temporary files (torchrun's logs) go into ``work``; an interrupt
-    stops the command and its workers and reads as one line.
+    (a torch 2.13 gloo worker can abort at exit after its work is done).
     """
-    env = dict(os.environ if env is None else env, TMPDIR=str(work))
     for attempt in range(1, attempts + 1):
         print("$", " ".join(map(str, cmd)))
         out, err = work / "command.out", work / "command.err"  # files: a full pipe
@@ -49,16 +42,6 @@ def run_command(cmd: Sequence, work: Path, limit_s: float, attempts: int = 1,
             failed = proc.returncode and f"exit code {proc.returncode}"
         except Stalled as stalled:
             failed = str(stalled)
-        except KeyboardInterrupt:
-            try:
-                workers = len(psutil.Process(proc.pid).children(recursive=True))
-            except psutil.Error:
-                workers = 0
-            stop_tree([proc.pid])
-            raise Interrupted(
-                "interrupted: the command"
-                + (f" and its {workers} processes" if workers else "")
-                + " stopped, nothing left running") from None
         finally:  # torchrun's workers have sessions of their own: end the tree
             if proc.poll() is None:
                 stop_tree([proc.pid])
@@ -84,6 +67,19 @@ def quiet_stderr():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def leftover_processes() -> list[str]:
+    """This process's descendants, apart from multiprocessing's own servers
+    (the launcher's forkserver and the resource tracker stay by design)."""
+    servers = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(p.cmdline())
+            if not any(s in line for s in servers):
+                left.append(f"{p.pid} {line[:60]}")
+    return left
 
 
 def show_allreduce_sweep(rows: list, backend: str, n: int = 2) -> None:
