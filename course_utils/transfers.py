@@ -43,14 +43,17 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def matmul_seconds(n: int) -> float:
-    """Roofline floor of one n x n float32 matmul on an H100."""
-    return predict.roofline_seconds(2 * n**3, 3 * 4 * n * n, "h100_sxm").value
+    """One n x n float32 matmul on an H100, by the course's kernel model.
+
+    ``predict.kernel_seconds``, the model Chapter 2 prints for the same
+    matmul, so the two chapters give one time for one setup.
+    """
+    return predict.kernel_seconds(2 * n**3, 3 * 4 * n * n, "h100_sxm", "fp32").value
 
 
 def matmul_caveat(more: str = "") -> str:
-    """The caveat of a prediction whose matmuls run at the roofline's pace."""
-    return (f"not calibrated: matmuls at the datasheet FP32 peak, a bound (large bf16 "
-            f"matmuls reach {predict.matmul_efficiency():.0%} of theirs){more}")
+    """The caveat of a prediction whose matmuls run at the kernel model's pace."""
+    return (predict.kernel_caveat("compute", "fp32") or "not calibrated") + more
 
 
 def h2d_caveat() -> str:
@@ -275,7 +278,7 @@ def plot_two_streams(sweep: dict | None, cpu_ratio: float, cpu_n: int,
                           for n in STREAM_SIZES],
          "two_streams_s": [2 * matmul_seconds(n) for n in STREAM_SIZES]},
         "s", H100,
-        "two matmuls at the roofline's pace; one stream runs them one after the "
+        "two matmuls at the kernel model's pace; one stream runs them one after the "
         "other, two streams at once as far as SMs are free: speed-up = min(2 tiles, "
         "SMs) / min(tiles, SMs), 128 x 128 output tiles assumed", MATMUL_INPUTS,
         caveat=TWO_STREAM_CAVEAT)
@@ -555,7 +558,7 @@ def copy_model(k: int, n: int) -> dict:
             "copy stream": k * max(mm, cp) + min(mm, cp)}
 
 
-COPY_MODEL = ("k matmuls at the roofline's pace and k copies of their results at "
+COPY_MODEL = ("k matmuls at the kernel model's pace and k copies of their results at "
               "the rate pinned copies reach (calibrated; pageable ones add the "
               "driver's staging copy); one stream adds them up, a copy stream "
               "overlaps each copy with the next matmul")
@@ -679,9 +682,9 @@ def draw_overlap(copy_mib: float = 64.0, matmul_n: int = 4096, chunks: int = 4) 
         c = max(c, (i + 1) * mm_s)
         two.append(("copy", c, c + cp_s, f"c{i}"))
         c += cp_s
-    pred = reference.predicted(c, "s", H100_PCIE5, "matmuls at the roofline's pace, "
-                               "pinned copies at the rate they reach (calibrated)",
-                               COPY_INPUTS)
+    pred = reference.predicted(c, "s", H100_PCIE5,
+                               "matmuls at the kernel model's pace, pinned copies "
+                               "at the rate they reach (calibrated)", COPY_INPUTS)
     plot_runs([(one, f"one stream: sum = {t * 1e3:.2f} ms"),
                (two, f"copy stream: {c * 1e3:.2f} ms; max of the totals = "
                      f"{max(chunks * mm_s, chunks * cp_s) * 1e3:.2f} ms")],
@@ -779,7 +782,7 @@ def show_two_devices(timings: dict | None, device) -> None:
     gpu_40 = 40 * matmul_seconds(4096)
     rule = reference.predicted(
         {"GPU 0 alone": gpu_40, "GPU 1 alone": gpu_40, "GPU 0 and GPU 1": gpu_40},
-        "s", "two H100s", "40 matmuls of 4096 at the roofline's pace on each; with "
+        "s", "two H100s", "40 matmuls of 4096 at the kernel model's pace on each; with "
         "no synchronize between them the two queues run at once: both take as long "
         "as one", ["h100_sxm.fp32_tflops"],
         caveat=matmul_caveat("; no published measurement of two GPUs at once was "
