@@ -2,21 +2,28 @@
 #   make lab    set up (once) and open JupyterLab on the notebooks
 #   make test   set up (once) and run the whole test suite
 # Helpers: make e2e | make notebooks | make images | make grade | make record | make gpu-check | make lint | make clean
+# Other torch versions and GPU machines: make compat | make wheelhouse | make gpu-lines
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lab test e2e notebooks images grade record gpu-check lint clean
+.PHONY: setup lab test compat wheelhouse gpu-lines e2e notebooks images grade record gpu-check lint clean
 
 setup: $(STAMP)
 
 # Re-runs only when the requirements or the package description change.
+# A torch already in the venv inside the supported range (pyproject.toml) is
+# kept: course_utils/compat.py leaves its pin out. VENV_ARGS=--system-site-packages
+# makes a new venv that sees this Python's own torch (a cluster's, say).
+VENV_ARGS ?=
+
 $(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) course_utils/compat.py requirements requirements.txt > $(VENV)/requirements.txt
+	$(PY) -m pip install --quiet -r $(VENV)/requirements.txt
 	@# setuptools warns, in a frame that reads like a failure, that the folder
 	@# course_utils/ here shadows the installed one: that is what we want
 	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install --quiet --no-deps -e .
@@ -56,6 +63,18 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# The whole suite on another supported torch, in a venv of its own outside the
+# repository: make compat TORCH=2.11.0 (the index's wheel brings its CUDA
+# libraries, several GB, once per version). CONTRIBUTING.md has the results.
+COMPAT_VENV ?= /tmp/compat-$(TORCH)
+
+compat:
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.11.0"; exit 2; }
+	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet "torch==$(TORCH)"
+	$(COMPAT_VENV)/bin/python course_utils/compat.py check
+	$(MAKE) test VENV=$(COMPAT_VENV) TEST_WORKERS=$(or $(COMPAT_WORKERS),0)
+
 notebooks: setup
 	$(PY) -m course_utils.build
 
@@ -76,11 +95,29 @@ grade: setup
 # On a GPU machine: run every chapter (with its solutions) with recording on;
 # the results land in course_utils/reference_data/ (commit them).
 record: setup
-	$(PY) -m course_utils.gpu_check --record
+	$(PY) -m course_utils.gpu_check --record $(if $(QUICK),--quick,)
 
 # On any GPU machine: does every chapter's GPU path run? Records nothing.
+# QUICK=1 runs only the cells that differ on a GPU (and what they need).
 gpu-check: setup
-	$(PY) -m course_utils.gpu_check
+	$(PY) -m course_utils.gpu_check $(if $(QUICK),--quick,)
+
+# A GPU machine without internet or Jupyter: on a connected machine, write the
+# wheels the check needs (all but torch, numpy, matplotlib and numba, which the
+# GPU machine's Python has) for its Python version, at most 60 MB; copy the
+# folder beside the course there and run, with that machine's python:
+#   python -m course_utils.gpu_check --wheelhouse build/wheelhouse [--quick]
+WHEELHOUSE     ?= build/wheelhouse
+PYTHON_VERSION ?= 3.12
+
+wheelhouse: setup
+	$(PY) -m course_utils.gpu_check --make-wheelhouse $(WHEELHOUSE) \
+	  --python-version $(PYTHON_VERSION)
+
+# Every chapter as a script on this CPU under coverage: per chapter, the lines
+# that only run with a GPU (the CPU runs leave them unexercised).
+gpu-lines: setup
+	$(PY) -m course_utils.gpu_check --lines
 
 lint: setup
 	$(VENV)/bin/ruff check course_utils tests source e2e
