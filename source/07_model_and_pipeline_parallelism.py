@@ -58,7 +58,7 @@ from course_utils.compare import compare
 from course_utils.dist import launch
 from course_utils.plots import plot_timeline
 
-banner()
+banner();
 
 # %% [markdown]
 # ## 1. Splitting a model
