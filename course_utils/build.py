@@ -19,6 +19,7 @@ without ``--force``; with it, the old notebook is first copied to
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import datetime as _dt
 import hashlib
@@ -131,7 +132,165 @@ def lint(nb, chapter: int, name: str) -> list[tuple[str, int, int]]:
         found.append((ex, i, nxt))
     _no_shadowing(nb, [i for _, i, _ in found], name)
     _no_dependence(nb, found, name)
+    stray = stray_reprs(nb)
+    if stray:
+        raise BuildError(f"{name}: " + "; ".join(stray))
     return found
+
+
+# --- bare expressions whose repr a learner would see ---------------------------
+
+# calls that return None (what a notebook shows after them is nothing)
+NONE_CALLS = {"print", "display", "exec", "plt.show", "plt.tight_layout",
+              "plt.close", "plt.figure.show", "random.seed", "np.random.seed",
+              "time.sleep", "os.environ.update", "warnings.filterwarnings",
+              "warnings.simplefilter", "sys.path.insert"}
+# methods that return None whatever they are called on
+NONE_METHODS = {"cleanup", "append", "extend", "sort", "clear", "update", "reverse",
+                "mkdir", "set_printoptions", "manual_seed_all"}
+PACKAGE = "course_utils"
+
+
+def _returns_value(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether a function can return something other than None."""
+    if fn.returns is not None:
+        return not (isinstance(fn.returns, ast.Constant) and fn.returns.value is None)
+    stack = list(fn.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
+                             ast.ClassDef)):
+            continue  # a nested function's returns are its own
+        if isinstance(node, ast.Return) and node.value is not None and not (
+                isinstance(node.value, ast.Constant) and node.value.value is None):
+            return True
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def _module_defs(module: str, seen: frozenset = frozenset()) -> dict:
+    """``name -> FunctionDef, ClassDef or (module, name)`` of a course_utils module."""
+    parts = module.split(".")
+    path = ROOT.joinpath(*parts)
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    if module in seen or not path.exists():
+        return {}
+    defs: dict = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                PACKAGE):
+            for alias in node.names:
+                defs[alias.asname or alias.name] = (node.module, alias.name)
+    return defs
+
+
+def _resolve(module: str, name: str, depth: int = 0):
+    """The definition of ``module.name`` in course_utils, following re-exports."""
+    found = _module_defs(module).get(name)
+    if isinstance(found, tuple) and depth < 5:
+        sub = f"{found[0]}.{found[1]}"  # a submodule, or a name from one
+        if ROOT.joinpath(*sub.split(".")).with_suffix(".py").exists() or ROOT.joinpath(
+                *sub.split(".")).is_dir():
+            return sub
+        return _resolve(*found, depth + 1)
+    return found
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _shows_nothing(call: ast.Call, defs: dict, imported: dict) -> bool:
+    """Whether a call returns None, as far as the sources tell."""
+    name = _dotted(call.func)
+    if name is None:
+        return False
+    if name in NONE_CALLS or ("." in name and name.rsplit(".", 1)[1] in NONE_METHODS):
+        return True
+    head, _, rest = name.partition(".")
+    if not rest and head in defs:  # a function of the chapter
+        node = defs[head]
+        return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+            not _returns_value(node))
+    if head in imported:  # a name or module from course_utils
+        target = imported[head]
+        for part in rest.split(".") if rest else []:
+            if not isinstance(target, str):
+                return False
+            target = _resolve(target, part)
+        if isinstance(target, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return not _returns_value(target)
+    return False
+
+
+def stray_reprs(nb) -> list[str]:
+    """Code cells whose last line is a call that shows a learner its repr.
+
+    A notebook displays the value of a cell's last bare expression. A name or
+    an attribute shown on purpose (a tensor, a shape) is fine; a call is fine
+    only when it returns None (``print``, a course helper annotated ``->
+    None``, a chapter function with no value to return); anything else shows
+    a repr nobody wrote for a learner (``[Figure(kind='published', ...)]``,
+    the banner's string a second time, a widget's function): end the line
+    with ``;`` or use the value.
+    """
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    trees = []
+    for c in cells:
+        lines = [ln for ln in c.source.splitlines()
+                 if not ln.lstrip().startswith(("%", "!"))]
+        if c.source.lstrip().startswith("%%"):
+            trees.append(None)  # a cell magic: not Python
+            continue
+        try:
+            trees.append(ast.parse("\n".join(lines)))
+        except SyntaxError:
+            trees.append(None)
+    defs, imported = {}, {}
+    for tree in trees:
+        for node in tree.body if tree else []:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defs[node.name] = node
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    PACKAGE):
+                for alias in node.names:
+                    imported[alias.asname or alias.name] = _resolve(
+                        node.module, alias.name) or f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(PACKAGE):
+                        imported[alias.asname or alias.name] = alias.name
+    stray = []
+    for c, tree in zip(cells, trees, strict=True):
+        if not tree or not tree.body or not isinstance(tree.body[-1], ast.Expr):
+            continue
+        last = tree.body[-1]
+        code = [ln for ln in c.source.splitlines() if ln.strip()]
+        if code and code[-1].split("#")[0].rstrip().endswith(";"):
+            continue
+        value = last.value
+        if isinstance(value, ast.Await):
+            value = value.value
+        if isinstance(value, ast.Call) and _shows_nothing(value, defs, imported):
+            continue
+        if isinstance(value, (ast.Name, ast.Attribute, ast.Subscript, ast.Compare,
+                              ast.BinOp, ast.UnaryOp, ast.Tuple)):
+            continue  # a value shown on purpose
+        text = ast.get_source_segment("\n".join(
+            ln for ln in c.source.splitlines()
+            if not ln.lstrip().startswith(("%", "!"))), last) or ""
+        stray.append(f"cell {nb.cells.index(c)} ends in `{text.splitlines()[0][:60]}`,"
+                     " whose repr the learner would see: end it with ';' or use it")
+    return stray
 
 
 def _top_level_names(source: str) -> set[str]:

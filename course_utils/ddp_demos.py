@@ -19,6 +19,10 @@ import psutil
 
 from course_utils import plots, predict, reference
 from course_utils.bench import Sweep
+from course_utils.cleanup import (  # noqa: F401 - Chapter 6 uses leftover_processes
+    Interrupted,
+    leftover_processes,
+)
 from course_utils.compare import Stalled, wait_while_working
 from course_utils.dist import stop_tree
 
@@ -29,8 +33,11 @@ def run_command(cmd: Sequence, work: Path, limit_s: float, attempts: int = 1,
 
     No fixed time limit: it may run while it works (``limit_s`` at most); no
     CPU used for 15 s means it is stuck. A stuck or crashed run is tried again
-    (a torch 2.13 gloo worker can abort at exit after its work is done).
+    (a torch 2.13 gloo worker can abort at exit after its work is done). The
+    command's temporary files (torchrun's logs) go into ``work``; an interrupt
+    stops the command and its workers and reads as one line.
     """
+    env = dict(os.environ if env is None else env, TMPDIR=str(work))
     for attempt in range(1, attempts + 1):
         print("$", " ".join(map(str, cmd)))
         out, err = work / "command.out", work / "command.err"  # files: a full pipe
@@ -42,6 +49,17 @@ def run_command(cmd: Sequence, work: Path, limit_s: float, attempts: int = 1,
             failed = proc.returncode and f"exit code {proc.returncode}"
         except Stalled as stalled:
             failed = str(stalled)
+        except KeyboardInterrupt:
+            try:
+                workers = len(psutil.Process(proc.pid).children(recursive=True))
+            except psutil.Error:
+                workers = 0
+            stop_tree([proc.pid])
+            raise Interrupted(
+                "interrupted: the command"
+                + (f" and its {workers} process{'es' * (workers > 1)}" if workers
+                   else "")
+                + " stopped, nothing left running") from None
         finally:  # torchrun's workers have sessions of their own: end the tree
             if proc.poll() is None:
                 stop_tree([proc.pid])
@@ -67,19 +85,6 @@ def quiet_stderr():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def leftover_processes() -> list[str]:
-    """This process's descendants, apart from multiprocessing's own servers
-    (the launcher's forkserver and the resource tracker stay by design)."""
-    servers = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
-    left = []
-    for p in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            line = " ".join(p.cmdline())
-            if not any(s in line for s in servers):
-                left.append(f"{p.pid} {line[:60]}")
-    return left
 
 
 def show_allreduce_sweep(rows: list, backend: str, n: int = 2) -> None:
@@ -182,14 +187,33 @@ def show_buckets(runs: dict[str, tuple[list, list]]) -> None:
     plt.show()
 
 
-def show_throughput(runs: dict[int, list]) -> None:
-    """Per rank count: the range of a step's time and of its compute alone."""
+def show_throughput(runs: dict[int, list], disturbed: bool) -> None:
+    """Per rank count: a DDP step's time beside the same step without its
+    all-reduce (``no_sync``, timed just before it in the same launch).
+
+    The two are separate timings, so "compute alone" is a part of the step
+    only on a quiet machine, and only where it was the shorter in every
+    launch; otherwise no share is printed.
+    """
     for n, launches in runs.items():
-        compute = [max(v["compute only (no_sync)"] for v in out) * 1e3
-                   for out in launches]
-        step = [max(v["DDP step"] for v in out) * 1e3 for out in launches]
-        print(f"{n} rank(s): a step took {min(step):.1f}-{max(step):.1f} ms, of "
-              f"which compute alone {min(compute):.1f}-{max(compute):.1f} ms")
+        step = [max(v["DDP step"] for v in out) for out in launches]
+        compute = [max(v["compute only (no_sync)"] for v in out) for out in launches]
+        head = (f"{n} rank{'s' * (n > 1)}: a DDP step took {_span_ms(step)}, the "
+                f"same step without its all-reduce (no_sync) {_span_ms(compute)}")
+        if disturbed:
+            print(f"{head}; disturbed runs: no share of the all-reduce is computed")
+        elif all(c < s for c, s in zip(compute, step, strict=True)):
+            shares = sorted(1 - c / s for c, s in zip(compute, step, strict=True))
+            print(f"{head}; the all-reduce not hidden by the backward pass: "
+                  f"{shares[0]:.0%}-{shares[-1]:.0%} of a step")
+        else:
+            print(f"{head}; compute alone was not the shorter in every launch: the "
+                  "all-reduce's cost is within the noise here")
+
+
+def _span_ms(seconds: list[float]) -> str:
+    lo, hi = min(seconds) * 1e3, max(seconds) * 1e3
+    return f"{lo:.0f} ms" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f} ms"
 
 
 NODE_GPUS = 8  # GPUs of one NVLink node (DGX H100)

@@ -414,8 +414,14 @@ def gpu_names() -> list[str]:
 
 
 def banner() -> str:
-    """Print and return one line saying what this notebook runs on. Chapter 0."""
-    from course_utils import reference
+    """Print and return one line saying what this notebook runs on. Chapter 0.
+
+    In a notebook it also makes an interrupted cell stop the processes it
+    started and read as one line (``cleanup.end_interrupts_in_one_line``).
+    """
+    from course_utils import cleanup, reference
+
+    cleanup.end_interrupts_in_one_line()
 
     cpu = f"{usable_cores()} cores"
     n = gpu_count()

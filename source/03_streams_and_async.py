@@ -497,7 +497,7 @@ for label, pin in pins.items():
             reference.record("03.pin_cost", 1 / pin_cost.ratio, "x", device)
 kept.clear()
 transfers.show_gpu("03.pin_cost", [
-    reference.published("pt_pinmem_tutorial.pin_then_copy_slowdown_max")], unit="x")
+    reference.published("pt_pinmem_tutorial.pin_then_copy_slowdown_max")], unit="x");
 
 # %% [markdown]
 # ## 5. Overlapping compute with copies back to the CPU

@@ -38,11 +38,9 @@ import multiprocessing as mp
 import os
 import pickle
 import sys
-import tempfile
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -56,6 +54,7 @@ from course_utils.checks.ch04 import (
     check_predict_busy_cores,
     check_process_map,
 )
+from course_utils.cleanup import scratch_folder, tidy_up
 from course_utils.compare import compare
 from course_utils.devices import usable_cores
 from course_utils.dist import pool, pool_initializer
@@ -128,10 +127,18 @@ POOL_SIZES = [1, 2, 4]
 pool_startup = compare({f"pool of {n} (create, map, close)": start_pool(n)
                         for n in POOL_SIZES}, repeats=3, number=1)
 print(pool_startup)
-start_s = [o.median for o in pool_startup.options]
-per_worker, fixed = np.polyfit(POOL_SIZES, start_s, 1)  # a straight line
-print(f"a pool's start-up here: about {format_seconds(fixed)} + "
-      f"{format_seconds(per_worker)} per worker")
+start_s = np.array([o.median for o in pool_startup.options])
+sizes_n = np.array(POOL_SIZES)
+per_worker, fixed = np.polyfit(sizes_n, start_s, 1)  # a straight line
+if fixed < 0:  # impossible: the noise is larger than the fixed part; fit b alone
+    per_worker, fixed = sizes_n @ start_s / (sizes_n @ sizes_n), 0.0
+if pool_startup.disturbed or per_worker <= 0:  # a line through noise says nothing
+    fixed = per_worker = None
+    print("no start-up line: the runs were disturbed, or the time did not grow "
+          "with the workers - run this cell again")
+else:
+    print(f"a pool's start-up here: about {format_seconds(fixed)} + "
+          f"{format_seconds(per_worker)} per worker")
 
 # %% [markdown]
 # Read the verdicts: a process is many times dearer than a thread (the first
@@ -391,26 +398,32 @@ print(f"at n = {sizes[-1]:,}, against the serial loop (at most {min(CORES, 2)}x 
 # measured it for 1, 2 and 4 workers and fitted a line, `a + b N`, so
 # `t(N) = a + b N + t_pickle + t_serial / N`. More workers divide the work but
 # cost more to start, so the time has a minimum, at `N = sqrt(t_serial / b)`.
-# Every input is measured here; the prediction is for a 16-core machine like
-# this one (same speed per core, same start-up per worker).
+# Every input is measured here, and the model is fitted only on quiet runs;
+# the prediction is for a 16-core machine like this one (same speed per core,
+# same start-up per worker).
 
 # %%
 t_serial = big["serial"]
 t_pickle = pickling[-1] * (sizes[-1] * 8 / (payload_sizes[-1] * 8))  # data there and back
 workers_axis = [1, 2, 4, 8, 16]
-model = [fixed + per_worker * n + t_pickle + t_serial / n for n in workers_axis]
-pred = reference.predicted(
-    {"x": workers_axis, "y": model}, "s", "a 16-core CPU like this one",
-    "t(N) = a + b N (pool start-up, fitted in section 1) + pickling + serial "
-    f"time / N, each measured here (a {format_seconds(fixed)}, b "
-    f"{format_seconds(per_worker)} per worker, pickling {format_seconds(t_pickle)}, "
-    f"serial {format_seconds(t_serial)})")
-print(f"{pred.legend}: " + ", ".join(f"{n} workers {format_seconds(t)}"
-                                      for n, t in zip(workers_axis, model, strict=True)))
-best_n = (t_serial / per_worker) ** 0.5 if per_worker > 0 else float("inf")
-print(f"the model's best number of workers: about {best_n:.0f}; with 16 workers at "
-      f"most {t_serial / model[-1]:.1f}x the serial loop, while the vectorised line "
-      f"was {t_serial / big['vectorised (numpy)']:.0f}x")
+if per_worker is None or big_run.disturbed:  # a model of noise predicts noise
+    print("no prediction: section 1 fitted no start-up line, or the serial time "
+          "above was disturbed; run them again")
+else:
+    model = [fixed + per_worker * n + t_pickle + t_serial / n for n in workers_axis]
+    pred = reference.predicted(
+        {"x": workers_axis, "y": model}, "s", "a 16-core CPU like this one",
+        "t(N) = a + b N (pool start-up, fitted in section 1) + pickling + serial "
+        f"time / N, each measured here (a {format_seconds(fixed)}, b "
+        f"{format_seconds(per_worker)} per worker, pickling "
+        f"{format_seconds(t_pickle)}, serial {format_seconds(t_serial)})")
+    print(f"{pred.legend}: " + ", ".join(
+        f"{n} workers {format_seconds(t)}" for n, t in zip(workers_axis, model,
+                                                           strict=True)))
+    print(f"the model's best number of workers: about "
+          f"{(t_serial / per_worker) ** 0.5:.0f}; with 16 workers at most "
+          f"{t_serial / model[-1]:.1f}x the serial loop, while the vectorised line "
+          f"was {t_serial / big['vectorised (numpy)']:.0f}x")
 
 # %% [markdown]
 # ### Try it: how big must the work be?
@@ -525,7 +538,7 @@ except Exception as e:  # noqa: BLE001 - we show whatever the platform raises
 # Python can import:
 
 # %%
-module_dir = Path(tempfile.mkdtemp(prefix="ch04_"))
+module_dir = scratch_folder("ch04_")  # removed with the chapter, however it ends
 (module_dir / "ch04_tasks.py").write_text(
     "import torch\n\n\ndef cube(x):\n    return x ** 3\n\n\ndef add_one_(t):\n"
     "    t += 1\n    if t.is_cuda:\n        torch.cuda.synchronize()\n")
@@ -816,3 +829,6 @@ check_predict_busy_cores(predict_busy_cores)
 # | intra-op parallelism | 算子内并行 |
 # | CPU time / wall-clock time | CPU 时间 / 墙钟时间 |
 # | free-threaded Python | 无 GIL 的 Python（自由线程） |
+
+# %%
+tidy_up()  # the last cell: the chapter's temporary folder goes

@@ -35,11 +35,9 @@
 # figures beside the local ones.
 
 # %%
-import atexit
 import contextlib
 import os
 import runpy
-import shutil
 import sys
 import tempfile
 import time
@@ -61,6 +59,7 @@ from course_utils.checks.ch06 import (
     check_ring_all_reduce,
     check_save_then_load,
 )
+from course_utils.cleanup import scratch_folder, tidy_up
 from course_utils.compare import compare
 from course_utils.ddp_demos import (
     leftover_processes,
@@ -157,8 +156,7 @@ except Exception as e:
 
 # %%
 # ruff: noqa: F811 - the scripts below repeat the imports, as standalone files must
-WORK = Path(tempfile.mkdtemp(prefix="ch06-"))  # scripts and checkpoints go here
-atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # removed with the kernel
+WORK = scratch_folder("ch06-")  # scripts and checkpoints; removed with the chapter
 SCRIPT = WORK / "train_ddp.py"
 
 # %%
@@ -723,6 +721,7 @@ def node(index, nodes, endpoint, path):
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(gpus)))
     # each "node" sees only its own GPU, as a real machine would; none if short
     os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if gpus >= 2 else ""
+    tempfile.tempdir = str(WORK)  # the agent's log and error files go with WORK
     config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=1,
                           rdzv_backend="c10d", rdzv_endpoint=endpoint,
                           run_id="ch06", max_restarts=0, start_method="fork")
@@ -1103,6 +1102,7 @@ def elastic_agent(rank, world_size, path):
     """torchrun --standalone --nproc_per_node=2 --max-restarts=1, in this process."""
     # the workers host their own store (see below): restarts reconnect reliably
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    tempfile.tempdir = str(WORK)  # the agent's log and error files go with WORK
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=1,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
                           run_id="elastic", monitor_interval=0.2, start_method="fork")
@@ -1188,9 +1188,11 @@ def per_sample_batch(n, backend, seen):
 
 cpu_runs = {}
 print("gloo, CPU ranks: time per 64 samples")
-print(compare({f"{n} rank{'s' if n > 1 else ''}": per_sample_batch(n, "gloo", cpu_runs)
-               for n in sorted({1, min(usable_cores(), 4)})}, repeats=3, warmup=0))
-show_throughput(cpu_runs)
+cpu_result = compare({f"{n} rank{'s' if n > 1 else ''}": per_sample_batch(
+    n, "gloo", cpu_runs) for n in sorted({1, min(usable_cores(), 4)})}, repeats=3,
+    warmup=0)
+print(cpu_result)
+show_throughput(cpu_runs, disturbed=cpu_result.disturbed)
 if gpus:  # one GPU per rank, nccl: a real GPU run, even with a single GPU
     print("nccl, one GPU per rank: time per 64 samples")
     print(compare({f"{n} GPU(s)": per_sample_batch(n, "nccl", {})
@@ -1383,3 +1385,6 @@ check_save_then_load(save_then_load)
 # | synchronized BatchNorm | 同步批归一化 |
 # | elastic training / restart | 弹性训练 / 重启 |
 # | scaling efficiency | 扩展效率 |
+
+# %%
+tidy_up()  # the last cell: the chapter's temporary folder goes

@@ -952,7 +952,7 @@ reference.show("09.fsdp2_8x1024_peak_bytes_2gpus", unit="B", figures=[
                         caveat="not calibrated: activations, the allocator's "
                         "rounding and NCCL's buffers are left out, so a GPU's "
                         "peak is higher")],
-    fmt="{:.4g}")
+    fmt="{:.4g}");
 
 # %% [markdown]
 # ## Summary

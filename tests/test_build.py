@@ -244,3 +244,51 @@ def test_notebooks_carry_the_kernels_language_info_and_the_gate_ignores_its_vers
     other = text.replace(f'"version": "{info["version"]}"', '"version": "3.99.0"')
     assert other != text and build.same_notebook(other, text)
     assert not build.same_notebook(text.replace("import", "imports", 1), text)
+
+
+@pytest.mark.parametrize("last", [
+    "from course_utils import banner\nbanner()\n",  # returns its line: shown twice
+    "from course_utils import reference\nreference.show('x', local=1, unit='s')\n",
+    "import course_utils.reference as ref\nref.published('x')\n",
+    "def pair():\n    return 1, 2\n\n\npair()\n",  # a chapter function with a value
+    "import torch\ntorch.manual_seed(0)\n",  # a Generator's repr
+    "import ipywidgets as w\nw.interact(print, x=1)\n",  # the function's repr
+    "[print(i) for i in range(2)]\n",  # [None, None]
+    "'a sentence'.upper()\n",
+    "import matplotlib.pyplot as plt\nplt.plot([1], [2])  # a comment\n",
+])
+def test_a_bare_expression_with_a_stray_repr_is_refused(tmp_path, last):
+    path = tmp_path / "07_demo.py"
+    path.write_text(SOURCE.replace("# %%\nimport math\n",
+                                   "# %%\nimport math\n\n# %%\n" + last, 1))
+    with pytest.raises(build.BuildError, match="whose repr the learner would see"):
+        build.generate(path)
+
+
+@pytest.mark.parametrize("last", [
+    "from course_utils import banner\nbanner();\n",
+    "from course_utils import banner\nbanner()  ;  # with a comment\n",
+    "print('x')\n",
+    "import matplotlib.pyplot as plt\nplt.show()\n",
+    "def say():\n    print('hi')\n    return\n\n\nsay()\n",
+    "def outer():\n    def inner():\n        return 1\n    print(inner)\n\n\nouter()\n",
+    "from course_utils.cleanup import tidy_up\ntidy_up()\n",  # annotated -> None
+    "x = 3\nx\n",  # a value shown on purpose
+    "import math\nmath.pi\n",
+    "x = [3]\nx[0] * 2\n",
+    "x = [3]\nx.append(4)\n",
+    "%%writefile f.py\nprint(1)\n",
+])
+def test_a_bare_expression_meant_for_the_learner_is_kept(tmp_path, last):
+    path = tmp_path / "07_demo.py"
+    text = SOURCE.replace("# %%\nimport math\n", "# %%\nimport math\n\n# %%\n"
+                          + "\n".join(("# " + ln if ln.startswith("%%") else ln)
+                                      for ln in last.splitlines()) + "\n", 1)
+    path.write_text(text)
+    build.generate(path)
+
+
+def test_the_course_has_no_stray_repr():
+    for source in build.chapter_sources():
+        nb = build.jupytext.read(source, fmt="py:percent")
+        assert not build.stray_reprs(nb), source.name

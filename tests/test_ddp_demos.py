@@ -64,11 +64,48 @@ def test_show_buckets_counts_buckets_and_early_all_reduces(capsys):
     assert "1 all-reduce(s), 0 started before" in out
 
 
-def test_show_throughput_prints_ranges(capsys):
+def test_show_throughput_prints_ranges_and_a_share_only_when_it_is_one(capsys):
     runs = {2: [[{"compute only (no_sync)": 0.010, "DDP step": 0.020},
                  {"compute only (no_sync)": 0.012, "DDP step": 0.018}],
                 [{"compute only (no_sync)": 0.011, "DDP step": 0.030},
                  {"compute only (no_sync)": 0.009, "DDP step": 0.025}]]}
-    ddp_demos.show_throughput(runs)
-    assert "2 rank(s): a step took 20.0-30.0 ms, of which compute alone " \
-           "11.0-12.0 ms" in capsys.readouterr().out
+    ddp_demos.show_throughput(runs, disturbed=False)
+    out = capsys.readouterr().out
+    assert "2 ranks: a DDP step took 20-30 ms, the same step without its " \
+           "all-reduce (no_sync) 11-12 ms" in out
+    assert "not hidden by the backward pass: 40%-63% of a step" in out
+    ddp_demos.show_throughput(runs, disturbed=True)
+    out = capsys.readouterr().out
+    assert "disturbed runs: no share" in out and "%" not in out
+    # compute alone longer than a whole step (a disturbed launch): not a part
+    runs[2][1][0]["compute only (no_sync)"] = 0.040
+    ddp_demos.show_throughput(runs, disturbed=False)
+    out = capsys.readouterr().out
+    assert "within the noise" in out and "%" not in out
+
+
+def test_an_interrupted_command_stops_its_tree_in_one_line(tmp_path):
+    import signal
+    import threading
+
+    import psutil
+
+    script = ("import os, subprocess, sys, tempfile, time\n"
+              "print(tempfile.gettempdir(), flush=True)\n"
+              "subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+              "time.sleep(60)\n")
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            ddp_demos.run_command([sys.executable, "-c", script], tmp_path,
+                                  limit_s=60)
+    finally:
+        timer.cancel()
+    lines = caught.value._render_traceback_()
+    assert len(lines) == 1
+    assert "interrupted: the command and its 1 process stopped, nothing left " \
+           "running" in lines[0]
+    assert not psutil.Process().children(recursive=True)
+    # the command's temporary files go into its work folder
+    assert (tmp_path / "command.out").read_text().strip() == str(tmp_path)

@@ -9,6 +9,7 @@
 """
 
 import json
+import time
 import warnings
 
 import pytest
@@ -32,8 +33,24 @@ def describe(cells):
     return "\n".join(f"cell {c.cell}: {c.message[-600:]}" for c in cells)
 
 
+# caches with one fixed name per user, reused by every run: they do not pile up
+CACHES = ("torchinductor_",)
+
+
+def _left_in(folder, polls: int = 100) -> list[str]:
+    """What is still in ``folder`` (a killed kernel's watchdog may lag a little)."""
+    for _ in range(polls):
+        left = sorted(p.name for p in folder.iterdir()
+                      if not p.name.startswith(CACHES))
+        if not left:
+            break
+        time.sleep(0.1)
+    return left
+
+
 @pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
-def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir):
+def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir, tmp_path,
+                                                         monkeypatch):
     """One run of the learner notebook, each exercise solved after its check.
 
     Every check fails on the placeholder and names its exercise (no check is
@@ -43,8 +60,12 @@ def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir):
     """
     # the notebook's processes are this one's children: their CPU seconds are
     # counted, and what the machine did besides is other programs' work
+    scratch = tmp_path / "tmp"  # the notebook's temp directory: left empty
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     with Meter(quiet_cores=1.0) as run:
         cells = run_notebooks([gate_dir / f"{source.stem}.ipynb"])
+    left = _left_in(scratch)
     assert cells, "nbval collected no cells"
     checks = [c for c in cells if "check" in c.tags]
     solved = [c for c in cells if "solved" in c.tags]
@@ -59,6 +80,7 @@ def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir):
             + c.message)
     failed = [c for c in cells if "check" not in c.tags and c.outcome != "passed"]
     assert not failed, describe(failed)
+    assert not left, f"{source.stem} left in the temp directory: {left}"
     took = (f"{source.stem} took {run.wall_s:.0f} s under nbval "
             f"({run.cpu_s:.0f} CPU s; other programs used "
             f"{run.others_cores or 0:.1f} cores meanwhile)")
