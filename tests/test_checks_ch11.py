@@ -249,8 +249,21 @@ def test_wrong_blockwise_fail():
             rows.append(_partial(qi, k, v, mask)[0])
         return torch.cat(rows, dim=2)
 
-    fails(check, library, "all 37 keys at once", "never (S x S)")
-    fails(check, query_blocks_all_keys, "all 37 keys at once")
+    def double_blocks(q, k, v, block, causal=False):  # twice the allowed keys
+        return via_split(q, k, v, 2 * block, causal)
+
+    def one_more_key(q, k, v, block, causal=False):
+        return via_split(q, k, v, block + 1, causal)
+
+    def float32_result(q, k, v, block, causal=False):  # bf16 in, float32 out
+        out = via_split(q.double(), k.double(), v.double(), block, causal)
+        return out.to(q.dtype) if q.dtype != torch.bfloat16 else out.float()
+
+    fails(check, library, "37 keys at once", "never (S x S)")
+    fails(check, query_blocks_all_keys, "37 keys at once")
+    fails(check, double_blocks, "at most 8 keys at once", "(S x 2 block)")
+    fails(check, one_more_key, "at most 8 keys at once")
+    fails(check, float32_result, "dtype", "bfloat16")
     fails(check, averaged, "log-sum-exp rule")
     fails(check, unscaled, "1 / sqrt(d)")
     fails(check, drops_last, "keys are missing")
@@ -416,6 +429,42 @@ def test_wrong_plan_fail():
         order, counts = plan_lists(expert_idx, n_experts, world_size, capacity)
         return [a // expert_idx.shape[1] for a in order], counts
 
+    def clears_choices(expert_idx, n_experts, world_size, capacity):
+        plan = plan_lists(expert_idx, n_experts, world_size, capacity)
+        expert_idx.zero_()  # the router's choices are gone for the combine
+        return plan
+
+    def sorts_choices(expert_idx, n_experts, world_size, capacity):
+        expert_idx.copy_(expert_idx.sort(dim=1).values)
+        return plan_lists(expert_idx, n_experts, world_size, capacity)
+
+    taken_so_far = {}
+
+    def remembers_counts(expert_idx, n_experts, world_size, capacity):
+        taken = taken_so_far.setdefault((n_experts, world_size), [0] * n_experts)
+        per_rank, kept = n_experts // world_size, []
+        rows = expert_idx.tolist()
+        for j in range(len(rows[0])):
+            for t, chosen in enumerate(rows):
+                if taken[chosen[j]] < capacity:
+                    taken[chosen[j]] += 1
+                    kept.append((chosen[j] // per_rank, t * len(chosen) + j))
+        kept.sort()
+        return ([a for _, a in kept],
+                [sum(1 for r, _ in kept if r == d) for d in range(world_size)])
+
+    def needs_int64(expert_idx, n_experts, world_size, capacity):
+        torch.nn.functional.one_hot(expert_idx, n_experts)  # wants int64
+        return plan_lists(expert_idx, n_experts, world_size, capacity)
+
+    def three_ranks_at_most(expert_idx, n_experts, world_size, capacity):
+        return plan_lists(expert_idx, n_experts, min(world_size, 3), capacity)
+
+    fails(check, clears_choices, "expert_idx left unchanged", "copy")
+    fails(check, sorts_choices, "expert_idx left unchanged")
+    fails(check, remembers_counts, "asked twice", "no state")
+    fails(check, needs_int64, "int64")
+    fails(check, three_ranks_at_most, "4 send counts")
     fails(check, no_capacity, "beyond the capacity")
     fails(check, token_order, "first choices come before")
     fails(check, one_short, "capacity - 1")
@@ -436,7 +485,7 @@ def test_real_exchange_catches_a_plan_that_lies_only_inside_ranks():
     def different_on_the_real_run(expert_idx, n_experts, world_size, capacity):
         calls.append(1)
         order, counts = plan_lists(expert_idx, n_experts, world_size, capacity)
-        if len(calls) > len(ch11.DISPATCH_CASES):  # the real exchange's plans
+        if len(calls) > len(ch11.DISPATCH_CASES) + 1:  # the real exchange's plans
             order = order[::-1]  # no longer grouped by rank: counts disagree
         return order, counts
 
@@ -446,38 +495,44 @@ def test_real_exchange_catches_a_plan_that_lies_only_inside_ranks():
 # ---------------------------------------------------------------- 11.3
 
 
-def scores_formula(seq_len, world_size, layout):
-    if layout == "zigzag":
-        return [(2 * world_size + 1) * (seq_len // (2 * world_size)) ** 2] * world_size
-    return [(r + 1) * (seq_len // world_size) ** 2 for r in range(world_size)]
+def scores_pairs(seq_len, layout):
+    c = seq_len // sum(map(len, layout))
+    every = sorted(x for chunks in layout for x in chunks)
+    return [sum(c * c for q in mine for kc in every if kc <= q) for mine in layout]
 
 
-def scores_counted(seq_len, world_size, layout):
-    chunks = ([[r, 2 * world_size - 1 - r] for r in range(world_size)]
-              if layout == "zigzag" else [[r] for r in range(world_size)])
-    c = seq_len // sum(map(len, chunks))
-    return [sum(c * c for qc in mine for other in chunks for kc in other if kc <= qc)
-            for mine in chunks]
+def scores_rank_of_chunk(seq_len, layout):  # a chunk sees all chunks up to it
+    n_chunks = sum(len(x) for x in layout)
+    c = seq_len / n_chunks
+    return [sum((q + 1) * c * c for q in mine) for mine in layout]  # chunks 0..n-1
 
 
-def scores_numpy(seq_len, world_size, layout):
-    r = np.arange(world_size)
-    if layout == "contiguous":
-        return (r + 1) * (seq_len / world_size) ** 2
-    return np.full(world_size, (2 * world_size + 1) * (seq_len / 2 / world_size) ** 2)
+def scores_numpy(seq_len, layout):
+    held = np.array(layout)
+    c = seq_len // held.size
+    return ((held + 1) * c * c).sum(axis=1)
 
 
-class Predictor:
-    def __call__(self, seq_len, world_size, layout):
-        return tuple(scores_counted(seq_len, world_size, layout))
+class ScorePredictor:
+    def __call__(self, seq_len, layout):
+        return tuple(int(v) for v in scores_pairs(seq_len, layout))
 
 
-def scores_float(seq_len, world_size, layout):
-    return [float(x) for x in scores_formula(seq_len, world_size, layout)]
+def scores_simulated(seq_len, layout):  # walks the ring's steps as it runs
+    n = len(layout)
+    c = seq_len // sum(map(len, layout))
+    out = []
+    for r in range(n):
+        total = 0
+        for step in range(n):
+            src = (r - step) % n
+            total += sum(c * c for q in layout[r] for kc in layout[src] if kc <= q)
+        out.append(float(total))
+    return out
 
 
-@pytest.mark.parametrize("fn", [scores_formula, scores_counted, scores_numpy,
-                                Predictor(), scores_float])
+@pytest.mark.parametrize("fn", [scores_pairs, scores_rank_of_chunk, scores_numpy,
+                                ScorePredictor(), scores_simulated])
 def test_right_scores_pass(fn):
     ch11.check_predict_scores(fn)
 
@@ -485,58 +540,79 @@ def test_right_scores_pass(fn):
 def test_wrong_scores_fail():
     check = ch11.check_predict_scores
 
-    def four_ranks(seq_len, world_size, layout):
-        return scores_formula(seq_len, 4, layout)
+    def _count(seq_len, layout, rule, diagonal=1.0, size=None):
+        c = size or seq_len / sum(map(len, layout))
+        every = [x for chunks in layout for x in chunks]
+        return [sum(c * c * (diagonal if kc == q else 1.0)
+                    for q in mine for kc in every if rule(kc, q)) for mine in layout]
 
-    def half_diagonal(seq_len, world_size, layout):
-        if layout == "zigzag":
-            return scores_formula(seq_len, world_size, layout)
-        c = seq_len // world_size
-        return [(r + 0.5) * c * c for r in range(world_size)]
+    def half_diagonal(seq_len, layout):
+        return _count(seq_len, layout, lambda kc, q: kc <= q, diagonal=0.5)
 
-    def blocks(seq_len, world_size, layout):
-        if layout == "zigzag":
-            return [2 * world_size + 1] * world_size
-        return [r + 1 for r in range(world_size)]
+    def masked_triangle(seq_len, layout):
+        c = seq_len / sum(map(len, layout))
+        return _count(seq_len, layout, lambda kc, q: kc <= q,
+                      diagonal=(c + 1) / (2 * c))
 
-    def zigzag_like_contiguous(seq_len, world_size, layout):
-        return scores_formula(seq_len, world_size, "contiguous")
+    def no_diagonal(seq_len, layout):
+        return _count(seq_len, layout, lambda kc, q: kc < q)
 
-    def zigzag_even_share(seq_len, world_size, layout):
-        if layout == "contiguous":
-            return scores_formula(seq_len, world_size, layout)
-        total = sum(scores_formula(seq_len, world_size, "contiguous"))
-        return [total / world_size] * world_size
+    def not_causal(seq_len, layout):
+        return _count(seq_len, layout, lambda kc, q: True)
 
-    def a_number(seq_len, world_size, layout):
-        return sum(scores_formula(seq_len, world_size, layout))
+    def future_keys(seq_len, layout):
+        return _count(seq_len, layout, lambda kc, q: kc >= q)
 
-    def reversed_ranks(seq_len, world_size, layout):
-        return scores_formula(seq_len, world_size, layout)[::-1]
+    def rank_sized_chunks(seq_len, layout):
+        return _count(seq_len, layout, lambda kc, q: kc <= q,
+                      size=seq_len / len(layout))
 
-    def not_causal(seq_len, world_size, layout):
-        return [seq_len * seq_len // world_size] * world_size
+    def contiguous_always(seq_len, layout):
+        n = len(layout)
+        return [(r + 1) * (seq_len // n) ** 2 for r in range(n)]
 
-    def zigzag_two_n(seq_len, world_size, layout):
-        if layout == "contiguous":
-            return scores_formula(seq_len, world_size, layout)
-        return [2 * world_size * (seq_len // (2 * world_size)) ** 2] * world_size
+    def by_rank_number(seq_len, layout):
+        c = seq_len // sum(map(len, layout))
+        every = [x for chunks in layout for x in chunks]
+        return [sum(c * c for kc in every if kc <= r) for r in range(len(layout))]
 
-    def zigzag_wide_chunks(seq_len, world_size, layout):
-        if layout == "contiguous":
-            return scores_formula(seq_len, world_size, layout)
-        return [(2 * world_size + 1) * (seq_len // world_size) ** 2] * world_size
+    def a_total(seq_len, layout):
+        return sum(scores_pairs(seq_len, layout))
 
-    fails(check, four_ranks, "one number per rank")
-    fails(check, half_diagonal, "computed whole")
-    fails(check, blocks, "count query-key")
-    fails(check, zigzag_like_contiguous, "2 chunks")
-    fails(check, zigzag_even_share, "2 chunks")
-    fails(check, a_number, "a list of")
-    fails(check, reversed_ranks, "rank r holds chunk r")
-    fails(check, not_causal, "rank r holds chunk r")
-    fails(check, zigzag_two_n, "2 chunks")
-    fails(check, zigzag_wide_chunks, "2 chunks of S / (2N)")
+    def blocks_not_scores(seq_len, layout):
+        c = seq_len // sum(map(len, layout))
+        return [v // (c * c) for v in scores_pairs(seq_len, layout)]
+
+    def reversed_ranks(seq_len, layout):
+        return scores_pairs(seq_len, layout)[::-1]
+
+    def zigzag_formula(seq_len, layout):
+        n = len(layout)
+        return [(2 * n + 1) * (seq_len // (2 * n)) ** 2] * n
+
+    def sorts_layout(seq_len, layout):
+        layout.sort()
+        return scores_pairs(seq_len, layout)
+
+    def per_chunk(seq_len, layout):
+        c = seq_len // sum(map(len, layout))
+        every = [x for chunks in layout for x in chunks]
+        return [sum(c * c for kc in every if kc <= q) for mine in layout for q in mine]
+
+    fails(check, half_diagonal, "computed whole", "not half")
+    fails(check, masked_triangle, "computed whole", "c (c + 1) / 2")
+    fails(check, no_diagonal, "diagonal block", "with a mask")
+    fails(check, not_causal, "skipped")
+    fails(check, future_keys, "BEFORE")
+    fails(check, rank_sized_chunks, "number of chunks in the layout")
+    fails(check, contiguous_always, "read the layout")
+    fails(check, by_rank_number, "compare chunk numbers")
+    fails(check, a_total, "a list of")
+    fails(check, blocks_not_scores, "not the unit")
+    fails(check, reversed_ranks, "scores per rank")
+    fails(check, zigzag_formula, "scores per rank")
+    fails(check, sorts_layout, "layout left unchanged")
+    fails(check, per_chunk, "one number per rank")
 
 
 def test_endless_loop_stopped_and_named(monkeypatch):

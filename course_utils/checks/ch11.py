@@ -1,14 +1,16 @@
 """Checkers for Chapter 11 (context and expert parallelism).
 
 11.1 runs the learner's block-by-block attention on odd sequence lengths,
-causal and not, float32 and float64, large scores included, against PyTorch's
-attention, and watches every tensor it creates (a dispatch mode) so that a
-full ``S x S`` score matrix is caught. 11.2 checks a capacity-limited MoE
-dispatch plan against the checker's own rule on 2 and 3 ranks with skewed
-routing, then runs the real exchange (``all_to_all_single``, uneven splits) on
-3 ranks with the learner's plan and compares the layer with one process. 11.3
-runs a causal ring attention on 2 and 3 ranks, contiguous and zig-zag, and
-compares the scores each rank computed with the learner's prediction.
+causal and not, float64, float32 and bfloat16, large scores included, against
+PyTorch's attention, and watches every tensor it creates (a dispatch mode) so
+that computing with more than ``block`` keys at once is caught. 11.2 checks a
+capacity-limited MoE dispatch plan against the checker's own rule on 2, 3 and
+4 ranks with skewed routing (int64 and int32 choices, watched for changes,
+asked twice), then runs the real exchange (``all_to_all_single``, uneven
+splits) on 3 ranks with the learner's plans and compares the layer with one
+process. 11.3 runs a causal ring attention on 2 and 3 ranks over layouts the
+chapter never shows and compares the scores each rank computed with the
+learner's prediction.
 """
 
 from __future__ import annotations
@@ -74,16 +76,19 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class _Watch(TorchDispatchMode):
-    """Catches an operator that handles all S keys at once.
+    """Catches an operator that handles more than ``block`` keys at once.
 
-    Either it produces a tensor with two dimensions of at least S (a score
-    matrix or a mask), or it computes (not merely views) with a tensor that
-    holds all of k or v, as a fused attention kernel does.
+    The cases keep batch, heads and the head size at most ``block``, so a
+    created tensor with two dimensions above ``block`` holds more than a
+    block's scores (the query rows times too many keys), and an operator that
+    computes (not merely views) with more than ``block`` rows of k or v, and
+    makes a tensor with a dimension above ``block``, uses too many keys at
+    once, as a fused attention kernel does.
     """
 
-    def __init__(self, limit: int, keys: tuple[torch.Tensor, ...]):
+    def __init__(self, block: int, keys: tuple[torch.Tensor, ...]):
         super().__init__()
-        self.limit, self.keys, self.big = limit, {_storage(t) for t in keys}, None
+        self.limit, self.keys, self.big = block + 1, {_storage(t) for t in keys}, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -101,7 +106,7 @@ class _Watch(TorchDispatchMode):
             if len(long) == 1 and all(o.shape == t.shape for o in outs):
                 self.keys |= {_storage(o) for o in outs}  # a copy or cast: follow it
             elif any(max(o.shape, default=0) >= self.limit for o in outs):
-                self.big = (name, f"all {self.limit} keys at once, shape "
+                self.big = (name, f"{max(t.shape)} keys at once, shape "
                                   f"{tuple(t.shape)}")
             # else it took a block out of k or v (index_select, say): fine
         for t in outs:
@@ -110,29 +115,33 @@ class _Watch(TorchDispatchMode):
         return out
 
 
-# (batch, heads, S, d, block, causal, dtype, scale of the inputs)
+# (batch, heads, S, d, block, causal, dtype, scale of the inputs); batch, heads
+# and d never exceed block, so the watch can tell a key dimension by its size
 ATTENTION_CASES = [
     (1, 2, 37, 8, 8, False, torch.float64, 1.0),
     (2, 3, 37, 8, 8, True, torch.float64, 1.0),
-    (1, 1, 50, 16, 7, True, torch.float32, 1.0),
+    (1, 1, 50, 4, 7, True, torch.float32, 1.0),
     (1, 2, 64, 16, 16, False, torch.float32, 1.0),
     (2, 1, 45, 8, 10, True, torch.float64, 1.0),
-    (1, 2, 41, 16, 12, True, torch.float32, 8.0),  # scores of hundreds: exp overflows
+    (1, 2, 41, 8, 12, True, torch.float32, 8.0),  # scores of hundreds: exp overflows
+    (1, 2, 33, 8, 9, True, torch.bfloat16, 1.0),
     (1, 1, 20, 8, 64, True, torch.float64, 1.0),  # one block holds every key
 ]
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 4e-2}
 
 
 def _attention_hint(q, k, v, got, causal, block):
     """Name the mistake from what the learner's result equals instead."""
+    atol = 5e-2 if got.dtype == torch.bfloat16 else 1e-5
     if not torch.isfinite(got).all():
         return ("your result has nan or inf: subtract each row's maximum before exp "
                 "(or merge with logaddexp), and let a row that sees no key of a "
                 "block contribute nothing instead of nan")
     other = F.scaled_dot_product_attention(q, k, v, is_causal=not causal)
-    if torch.allclose(got.double(), other.double(), atol=1e-5):
+    if torch.allclose(got.double(), other.double(), atol=atol):
         return "use the causal argument: mask keys after the query only when causal"
     unscaled = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
-    if torch.allclose(got.double(), unscaled.double(), atol=1e-5):
+    if torch.allclose(got.double(), unscaled.double(), atol=atol):
         return "scale the scores by 1 / sqrt(d), as attention does"
     s = k.shape[2]
     full = (s // block) * block
@@ -142,7 +151,7 @@ def _attention_hint(q, k, v, got, causal, block):
             mask = torch.arange(s)[:, None] >= torch.arange(full)[None, :]
         cut = F.scaled_dot_product_attention(q, k[:, :, :full], v[:, :, :full],
                                              attn_mask=mask)
-        if torch.allclose(got.double(), cut.double(), atol=1e-5):
+        if torch.allclose(got.double(), cut.double(), atol=atol):
             return (f"the last {s - full} keys are missing: when S is not a multiple "
                     "of block, the last block is shorter")
     if causal:
@@ -152,7 +161,7 @@ def _attention_hint(q, k, v, got, causal, block):
             per_block[:, start:stop] = torch.ones(s, stop - start,
                                                   dtype=torch.bool).tril()
         local = F.scaled_dot_product_attention(q, k, v, attn_mask=per_block)
-        if torch.allclose(got.double(), local.double(), atol=1e-5):
+        if torch.allclose(got.double(), local.double(), atol=atol):
             return ("the causal mask must compare positions in the whole sequence: "
                     "key start + j is visible to query i when start + j <= i")
     return ("merge each block's result with the log-sum-exp rule: new lse = "
@@ -171,7 +180,7 @@ def check_blockwise_attention(blockwise_attention) -> None:
         copies = [t.clone() for t in (q, k, v)]
         case = (f"shape {(b, h, s, d)}, block {block}, causal={causal}, "
                 f"{str(dtype).replace('torch.', '')}")
-        watch = _Watch(s, (k, v))
+        watch = _Watch(block, (k, v))
         with watch:
             got = _call(ex, blockwise_attention, q, k, v, block, causal)
         if not isinstance(got, torch.Tensor):
@@ -186,31 +195,35 @@ def check_blockwise_attention(blockwise_attention) -> None:
                  f"shape {tuple(got.shape)}", "one output row per query, like q")
         if block < s and watch.big is not None:
             op, shape = watch.big
-            fail(ex, f"no operation on all {s} keys at once, no tensor with two "
-                 f"dimensions of {s} or more ({case})", f"{op} handled {shape}",
-                 "compute the scores of one block of keys at a time: "
-                 "(S x block), never (S x S), not even for a mask")
+            fail(ex, f"at most {block} keys at once: no tensor with two dimensions "
+                 f"above {block} ({case})", f"{op} handled {shape}",
+                 "compute the scores of one block of at most `block` keys at a "
+                 "time: (S x block), never (S x S) or (S x 2 block), not even for "
+                 "a mask")
         want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                               is_causal=causal)
         if got.dtype != dtype:
             fail(ex, f"an output of dtype {dtype} ({case})", f"{got.dtype}",
                  "keep the inputs' dtype: no float32-only or float64-only code")
-        tol = 1e-10 if dtype == torch.float64 else 2e-5
+        tol = TOLERANCE[dtype]
         diff = (got.double() - want).abs().nan_to_num(float("inf")).max().item()
         if diff > tol * max(1.0, want.abs().max().item()):
             fail(ex, f"attention equal to scaled_dot_product_attention ({case})",
                  f"a largest difference of {diff:.3g}",
                  _attention_hint(q.double(), k.double(), v.double(), got, causal,
                                  block))
-    passed(ex, f"{len(ATTENTION_CASES)} cases, causal and not, odd lengths, float32 "
-               "and float64: exact, and never an S x S matrix.")
+    passed(ex, f"{len(ATTENTION_CASES)} cases, causal and not, odd lengths, "
+               "float64, float32 and bfloat16: exact to rounding, and never more "
+               "than a block of keys at once.")
 
 
 # ---------------------------------------------------------------- exercise 11.2
 
-# (tokens, k, experts, ranks, capacity, seed)
-DISPATCH_CASES = [(13, 2, 4, 2, 4, 0), (17, 2, 6, 3, 3, 1), (10, 1, 3, 3, 4, 2),
-                  (9, 3, 6, 2, 3, 3), (8, 2, 6, 3, 16, 4), (21, 2, 6, 3, 5, 5)]
+# (tokens, k, experts, ranks, capacity, seed, dtype of expert_idx)
+DISPATCH_CASES = [(13, 2, 4, 2, 4, 0, torch.int64), (17, 2, 6, 3, 3, 1, torch.int64),
+                  (10, 1, 3, 3, 4, 2, torch.int32), (9, 3, 6, 2, 3, 3, torch.int64),
+                  (8, 2, 6, 3, 16, 4, torch.int64), (21, 2, 6, 3, 5, 5, torch.int64),
+                  (23, 2, 8, 4, 4, 6, torch.int32)]
 
 
 def skewed_choices(tokens: int, k: int, experts: int, seed: int) -> torch.Tensor:
@@ -269,12 +282,20 @@ def check_plan_dispatch(plan_dispatch) -> None:
     """Exercise 11.2: ``plan_dispatch(expert_idx, n_experts, world_size, capacity)``."""
     ex = "11.2"
     require_solution(ex, plan_dispatch)
-    for tokens, k, experts, world_size, capacity, seed in DISPATCH_CASES:
-        idx = skewed_choices(tokens, k, experts, seed)
+    first = None
+    for tokens, k, experts, world_size, capacity, seed, dtype in DISPATCH_CASES:
+        idx = skewed_choices(tokens, k, experts, seed).to(dtype)
         case = (f"{tokens} tokens, top-{k}, {experts} experts on {world_size} ranks, "
-                f"capacity {capacity}")
-        got = _call(ex, plan_dispatch, idx.clone(), experts, world_size, capacity)
-        order, counts = _as_plan(ex, got, tokens * k, world_size, case)
+                f"capacity {capacity}, {str(dtype).replace('torch.', '')}")
+        order, counts = _plan(ex, plan_dispatch, idx, experts, world_size, capacity,
+                              case)
+        if first is None:  # the same question again, at once
+            first = _plan(ex, plan_dispatch, idx, experts, world_size, capacity, case)
+            if first[0].tolist() != order.tolist() or first[1] != counts:
+                fail(ex, f"the same plan when asked twice ({case})",
+                     "a different plan the second time",
+                     "keep no state between calls: each call plans its own "
+                     "expert_idx")
         want = kept_assignments(idx, experts, capacity)
         mine = sorted(order.tolist())
         if mine != want:
@@ -304,8 +325,19 @@ def check_plan_dispatch(plan_dispatch) -> None:
                      "assignments by it and count each rank")
             start += c
     _real_exchange(ex, plan_dispatch)
-    passed(ex, f"{len(DISPATCH_CASES)} skewed routings on 2 and 3 ranks; the real "
-               "all-to-all on 3 ranks equals one process.")
+    passed(ex, f"{len(DISPATCH_CASES)} skewed routings on 2, 3 and 4 ranks, int64 "
+               "and int32; the real all-to-all on 3 ranks equals one process.")
+
+
+def _plan(ex, plan_dispatch, idx, experts, world_size, capacity, case):
+    """The learner's plan for ``idx`` (the real tensor, watched for changes)."""
+    before = idx.clone()
+    got = _call(ex, plan_dispatch, idx, experts, world_size, capacity)
+    if idx.dtype != before.dtype or not torch.equal(idx, before):
+        fail(ex, f"expert_idx left unchanged ({case})", "expert_idx modified",
+             "work on a copy: the router's choices are still needed to combine the "
+             "results")
+    return _as_plan(ex, got, idx.numel(), world_size, case)
 
 
 WIDTH = 8
@@ -355,10 +387,8 @@ def _real_exchange(ex, plan_dispatch) -> None:
     layers = _experts(experts)
     want, plans = torch.zeros_like(x), []
     for rank, rows in enumerate(torch.arange(tokens).chunk(world_size)):
-        got = _call(ex, plan_dispatch, idx[rows].clone(), experts, world_size,
-                    capacity)
-        plans.append(_as_plan(ex, got, len(rows) * k, world_size,
-                              f"rank {rank} of {world_size}"))
+        plans.append(_plan(ex, plan_dispatch, idx[rows], experts, world_size,
+                           capacity, f"rank {rank} of {world_size}"))
         for a in kept_assignments(idx[rows], experts, capacity):  # one process
             t, j = divmod(a, k)
             token = int(rows[t])
@@ -380,20 +410,15 @@ def _real_exchange(ex, plan_dispatch) -> None:
 
 # ---------------------------------------------------------------- exercise 11.3
 
-_MEASURED: dict[tuple[int, int], dict[str, list[int]]] = {}
+_MEASURED: dict[tuple, list[list[int]]] = {}
 
 
-def _layouts(n: int) -> dict[str, list[list[int]]]:
-    return {"contiguous": [[r] for r in range(n)],
-            "zigzag": [[r, 2 * n - 1 - r] for r in range(n)]}
-
-
-def _ring_rank(rank, world_size, seq_len):
+def _ring_rank(rank, world_size, seq_len, layouts):
     """Causal ring attention on tiny tensors: the scores each layout computes."""
     import torch.distributed as dist
 
-    counts = {}
-    for name, chunks in _layouts(world_size).items():
+    counts = []
+    for chunks in layouts:
         torch.manual_seed(0)
         k = torch.randn(1, 1, seq_len, 4).chunk(sum(map(len, chunks)), dim=2)
         q_l = k_l = torch.cat([k[i] for i in chunks[rank]], 2)
@@ -414,35 +439,92 @@ def _ring_rank(rank, world_size, seq_len):
                 for r in reqs:
                     r.wait()
                 k_l = nxt
-        counts[name] = scores
+        counts.append(scores)
     return counts
 
 
-def measured_scores(world_size: int, seq_len: int) -> dict[str, list[int]]:
-    """Scores per rank of the real causal ring, both layouts (run once, cached)."""
+def measured_scores(world_size: int, seq_len: int,
+                    layouts: list[list[list[int]]]) -> list[list[int]]:
+    """Scores per rank of the real causal ring, per layout (run once, cached)."""
     from course_utils.dist import launch
 
-    key = (world_size, seq_len)
+    key = (world_size, seq_len, repr(layouts))
     if key not in _MEASURED:
-        results = launch(_ring_rank, world_size, args=(seq_len,), timeout=60,
+        results = launch(_ring_rank, world_size, args=(seq_len, layouts), timeout=60,
                          echo=False, backend="gloo")
-        _MEASURED[key] = {name: [r.value[name] for r in results]
-                          for name in ("contiguous", "zigzag")}
+        _MEASURED[key] = [[r.value[i] for r in results] for i in range(len(layouts))]
     return _MEASURED[key]
 
 
-SCORE_CASES = [(2, 24), (3, 36)]
+def score_layouts(world_size: int, seed: int) -> list[list[list[int]]]:
+    """Layouts not shown in the chapter: chunks dealt out in shuffled orders."""
+    gen = torch.Generator().manual_seed(seed)
+    n = world_size
+    striped = [[r, r + n] for r in range(n)]
+    dealt = torch.randperm(2 * n, generator=gen).view(n, 2).tolist()
+    three = torch.randperm(3 * n, generator=gen).view(n, 3).tolist()
+    backwards = [[n - 1 - r] for r in range(n)]
+    return [striped, dealt, three, backwards]
+
+
+SCORE_CASES = [(2, 24, 7), (3, 36, 8)]  # (ranks, sequence length, seed)
+
+
+def _score_variants(seq_len: int, layout: list[list[int]]) -> dict[str, list[float]]:
+    """What typical mistakes predict, by name."""
+    n_chunks = sum(map(len, layout))
+    every = [x for chunks in layout for x in chunks]
+    c = seq_len / n_chunks
+
+    def count(rule, size=c, diagonal=1.0):
+        return [sum(size * size * (diagonal if kc == qc else 1.0)
+                    for qc in mine for kc in every if rule(kc, qc))
+                for mine in layout]
+
+    n = len(layout)
+    return {
+        "half": count(lambda kc, qc: kc <= qc, diagonal=0.5),
+        "triangle": count(lambda kc, qc: kc <= qc, diagonal=(c + 1) / (2 * c)),
+        "strict": count(lambda kc, qc: kc < qc),
+        "all": count(lambda kc, qc: True),
+        "later": count(lambda kc, qc: kc >= qc),
+        "size": count(lambda kc, qc: kc <= qc, size=seq_len / n),
+        "contiguous": [(r + 1) * (seq_len / n) ** 2 for r in range(n)],
+        "rank": [sum(c * c for kc in every if kc <= r) for r in range(n)],
+    }
+
+
+_SCORE_HINTS = {
+    "half": "the diagonal block is computed whole, masked half included: count "
+            "c * c for it, not half",
+    "triangle": "the diagonal block is computed whole (c * c scores), although the "
+                "mask keeps only c (c + 1) / 2 of them",
+    "strict": "the diagonal block (a chunk with itself) is computed too, with a mask",
+    "all": "the ring is causal: a block whose keys all come after its queries is "
+           "skipped",
+    "later": "a query sees the keys at or BEFORE it: key chunk <= query chunk",
+    "size": "a chunk holds seq_len / (number of chunks in the layout) tokens, not "
+            "seq_len / ranks",
+    "contiguous": "read the layout: rank r holds the chunks layout[r], not chunk r",
+    "rank": "compare chunk numbers, not rank numbers: the chunks layout[r] that "
+            "rank r holds",
+}
 
 
 def check_predict_scores(predict_scores) -> None:
-    """Exercise 11.3: ``predict_scores(seq_len, world_size, layout)``."""
+    """Exercise 11.3: ``predict_scores(seq_len, layout)`` against the real ring."""
     ex = "11.3"
     require_solution(ex, predict_scores)
-    for world_size, seq_len in SCORE_CASES:
-        measured = measured_scores(world_size, seq_len)
-        for layout, want in measured.items():
-            case = f"S = {seq_len}, {world_size} ranks, {layout}"
-            got = _call(ex, predict_scores, seq_len, world_size, layout)
+    for world_size, seq_len, seed in SCORE_CASES:
+        layouts = score_layouts(world_size, seed)
+        measured = measured_scores(world_size, seq_len, layouts)
+        for layout, want in zip(layouts, measured, strict=True):
+            case = f"S = {seq_len}, layout {layout}"
+            shown = [list(chunks) for chunks in layout]
+            got = _call(ex, predict_scores, seq_len, shown)
+            if shown != layout:
+                fail(ex, f"layout left unchanged ({case})", f"{shown}",
+                     "read the layout; do not sort or modify it")
             try:
                 got = [float(g) for g in got]
             except (TypeError, ValueError):
@@ -450,25 +532,23 @@ def check_predict_scores(predict_scores) -> None:
                      "one number of scores per rank")
             if len(got) != world_size:
                 fail(ex, f"{world_size} numbers, one per rank ({case})",
-                     f"{len(got)}", "one number per rank, for any number of ranks")
+                     f"{len(got)}", "one number per rank: len(layout) of them")
             if all(math.isclose(g, w) for g, w in zip(got, want, strict=True)):
                 continue
-            c = seq_len // world_size
-            if layout == "zigzag":
-                hint = ("in the zig-zag layout each rank holds 2 chunks of S / (2N) "
-                        "tokens: count the chunk pairs it computes (key chunk at or "
-                        "before the query chunk), c * c scores each")
-            elif all(math.isclose(g, (r + 0.5) * c * c) for r, g in enumerate(got)):
-                hint = ("the diagonal block is computed whole (its masked half "
-                        "too): rank r computes r + 1 full blocks")
-            elif all(g > 0 for g in got) and len({round(w / g, 6) for g, w in
-                                                  zip(got, want, strict=True)}) == 1:
-                hint = ("the shape is right but not the unit: count query-key "
-                        "scores, a block of c queries and c keys being c * c")
+            hint = ("for each chunk a rank holds, count the chunks of the whole "
+                    "layout at or before it, c * c scores each")
+            for name, variant in _score_variants(seq_len, layout).items():
+                if all(math.isclose(g, w) for g, w in zip(got, variant, strict=True)):
+                    hint = _SCORE_HINTS[name]
+                    break
             else:
-                hint = ("rank r holds chunk r of S / N queries and computes the "
-                        "blocks of keys at or before it")
+                if all(g > 0 for g in got) and len(
+                        {round(w / g, 6) for g, w in zip(got, want, strict=True)}) == 1:
+                    hint = ("the proportions are right but not the unit: count "
+                            "query-key scores, c * c for a block of c queries and c "
+                            "keys")
             fail(ex, f"scores per rank {want} as measured ({case})",
                  f"{[int(g) if g.is_integer() else g for g in got]}", hint)
-    passed(ex, "your prediction matches the real ring on 2 and 3 ranks, both "
-               "layouts.")
+    passed(ex, "your prediction matches the real ring on 2 and 3 ranks, on "
+               f"{sum(len(score_layouts(n, s)) for n, _, s in SCORE_CASES)} layouts "
+               "you had not seen.")
