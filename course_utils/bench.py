@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.utils.benchmark as tub
-from tqdm.auto import tqdm
 
 from course_utils.devices import try_all_gpus
 
@@ -169,12 +168,19 @@ def sweep(
     label: str = "",
     progress: bool = True,
 ) -> Sweep:
-    """Call ``measure(size)`` for each size, with a progress bar. Chapter 2.
+    """Call ``measure(size)`` for each size, with a progress line. Chapter 2.
 
-    ``measure`` returns a ``Timing`` (from ``bench``) or plain seconds.
+    ``measure`` returns a ``Timing`` (from ``bench``) or plain seconds. The
+    progress line is plain text that ends saying what was measured (a
+    notebook's progress-bar widget that closes falls back to its first text,
+    a bar at 0%).
     """
     medians, iqrs, lows, highs = [], [], [], []
-    for size in tqdm(sizes, desc=label or "sweep", disable=not progress, leave=False):
+    start = time.perf_counter()
+    for i, size in enumerate(sizes):
+        if progress:
+            print(f"\r{label or 'sweep'}: size {i + 1} of {len(sizes)} ({size:,})",
+                  end="", flush=True)
         t = measure(size)
         timed = isinstance(t, Timing)
         medians.append(t.median if timed else float(t))
@@ -182,6 +188,9 @@ def sweep(
         low, high = t.quartiles if timed else (medians[-1], medians[-1])
         lows.append(low)
         highs.append(high)
+    if progress:
+        print(f"\r{label or 'sweep'}: {len(sizes)} sizes measured in "
+              f"{format_seconds(time.perf_counter() - start)}", flush=True)
     return Sweep(label=label, sizes=list(sizes), median=medians, iqr=iqrs,
                  low=lows, high=highs)
 

@@ -110,7 +110,10 @@ class Figure:
             if isinstance(v, dict) and "x" in v and "y" in v:
                 return f"(curve of {len(v['y'])} points)"
             return "(data below)" if v is not None else "(none)"
-        return fmt.format(v)
+        text = fmt.format(v)
+        if "e+" in text and abs(v) < 1e15:  # "1.141e+04": the digits read better
+            text = f"{v:,.0f}"
+        return text
 
 
 # --- recorded --------------------------------------------------------------------

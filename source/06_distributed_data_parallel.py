@@ -115,7 +115,7 @@ results = launch(hello, nprocs=2)
 print("notebook process:", os.getpid(), "- rank processes:", [r.value for r in results])
 # this machine's start-up time now, busy or not: the demos below wait a multiple
 STARTUP_S = time.perf_counter() - start
-LIMIT_S = min(90.0, max(30.0, 15 * STARTUP_S))
+LIMIT_S = round(min(90, max(30, 15 * STARTUP_S)))  # whole seconds
 
 # %% [markdown]
 # Every rank ran the *same* function and learned its part from its rank: the

@@ -94,3 +94,11 @@ def test_format_seconds_picks_a_readable_unit():
     assert format_seconds(12.3e-6) == "12.3 us"
     assert format_seconds(8.5e-7) == "850 ns"
     assert format_seconds(0) == "0 ns"
+
+
+def test_sweep_progress_is_plain_text_ending_in_a_summary(capsys):
+    sweep(lambda n: n * 1e-3, [1, 2000], label="probe")
+    out = capsys.readouterr().out
+    assert "\rprobe: size 2 of 2 (2,000)" in out
+    last = out.split("\r")[-1]  # what a notebook keeps of the line
+    assert last.startswith("probe: 2 sizes measured in ") and last.endswith("\n")

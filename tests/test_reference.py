@@ -196,3 +196,10 @@ def test_pcie_rates_share_one_precision():
     for gen, rate in rates.items():
         exact = 16 * 8 * 2 ** (gen - 3) * 128 / 130 / 8
         assert abs(rate - exact) < 5e-4 * exact, (gen, rate, exact)
+
+
+def test_a_large_value_is_written_out_not_in_exponent_form():
+    f = reference.predicted(11410.2, "ms", "H100", "a model")
+    assert f.format_value() == "11,410"
+    assert reference.predicted(123.456, "ms", "H100", "a model").format_value() == \
+        "123.5"
