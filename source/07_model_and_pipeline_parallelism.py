@@ -826,7 +826,8 @@ for r in launch(traced_rank, P, timeout=120, backend="gloo"):  # CPU stages
 # %%
 def zero_bubble_rank(rank, world_size):
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
+
+    from course_utils.compat import (  # torch.distributed.pipelining.schedules
         OVERLAP_F_B,
         ScheduleDualPipeV,
         ScheduleZBVZeroBubble,
