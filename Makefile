@@ -1,6 +1,7 @@
 # The course's two commands:
 #   make lab    set up (once) and open JupyterLab on the notebooks
 #   make test   set up (once) and run the whole test suite
+# The course as a website and a PDF: make book | make pdf
 # Helpers: make e2e | make notebooks | make images | make grade | make record | make gpu-check | make lint | make clean
 # Other torch versions and GPU machines: make compat | make wheelhouse | make gpu-lines
 
@@ -88,6 +89,25 @@ images: setup
 e2e: setup
 	$(PY) -m pip install --quiet -r requirements-e2e.txt
 	$(PY) -m pytest e2e -q
+
+# The course as a website, build/book/ (the start page and every chapter with
+# the outputs of a real run on this machine, exercises unsolved), and as one
+# PDF, build/course.pdf (printed by the system's chromium). Each chapter runs
+# once: a second make book, or make pdf after it, reuses the kept runs
+# (build/book-runs/) unless a chapter or course_utils changed.
+.PHONY: book pdf
+BOOK_STAMP := $(VENV)/.book-installed
+
+$(BOOK_STAMP): requirements-book.txt $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-book.txt
+	@touch $@
+
+book: setup $(BOOK_STAMP)
+	$(PY) -m course_utils.book
+
+pdf: setup $(BOOK_STAMP)
+	$(PY) -m pip install --quiet -r requirements-e2e.txt
+	$(PY) -m course_utils.book --pdf
 
 grade: setup
 	$(PY) -m course_utils.grade
