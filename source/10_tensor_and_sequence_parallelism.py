@@ -16,16 +16,16 @@
 #
 # **What you will learn**
 #
-# - Why a layer is split across devices, what that costs (collectives on the
-#   critical path of every layer), and why tensor parallelism stays inside a
-#   node.
-# - The Megatron-LM split by hand: a column-parallel then a row-parallel
-#   linear with one all-reduce, and the two conjugate operators `f` and `g`
-#   as autograd functions.
-# - DTensor: placements (`Shard`, `Replicate`, `Partial`), what each
-#   `redistribute` costs, and `parallelize_module` on a small GPT.
-# - Sequence parallelism and `loss_parallel`, with every collective counted
-#   and the activation memory per rank measured; 2-D parallelism (FSDP2 x TP).
+# - Why large runs split each layer (batch, gathers and activations that
+#   data parallelism cannot divide), and what it costs: collectives on the
+#   critical path of every layer, hence inside a node.
+# - The Megatron-LM split by hand: column-parallel then row-parallel linear
+#   and the conjugate operators `f` and `g` as autograd functions.
+# - DTensor placements, `parallelize_module` on a small GPT, and why a
+#   plan's collective count depends on where DTensors are made.
+# - Sequence parallelism and `loss_parallel` with every collective counted
+#   and the saved activations measured; FSDP2 x TP with a DCP checkpoint;
+#   grouped-query attention, dropout seeds and async TP.
 #
 # **Hardware.** Every rank is a real process and every collective a real
 # `gloo` (CPU) or `nccl` (one GPU per rank) collective, so the counts, the
@@ -34,10 +34,15 @@
 # nodes - is shown as labelled predictions and published figures.
 
 # %%
+import os
 import warnings
+from contextlib import nullcontext
 
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -67,6 +72,7 @@ from course_utils.checks.ch10 import (
     check_predicted_counts,
     exercise_model,
 )
+from course_utils.cleanup import scratch_folder, tidy_up
 from course_utils.dist import launch
 
 banner()
@@ -74,7 +80,7 @@ banner()
 
 def rank_device(rank):
     """The rank's GPU under nccl (one per rank), else the CPU."""
-    if dist.get_backend() == "nccl":
+    if "nccl" in dist.get_backend():
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     return torch.device("cpu")
@@ -85,43 +91,80 @@ def rank_device(rank):
 #
 # Data parallelism (Chapters 5-6) copies the whole model onto every device;
 # sharding (Chapter 9) splits the *stored* weights but gathers each layer
-# whole before computing it. Both assume one layer, with its activations,
-# fits on one device. Pipelines (Chapter 7) cut between layers. **Tensor
-# parallelism** cuts inside each layer: every device holds a slice of every
-# weight matrix and computes a slice of every product.
+# whole before computing it. Pipelines (Chapter 7) cut between layers.
+# **Tensor parallelism** cuts inside each layer: every device holds a slice
+# of every weight matrix and computes a slice of every product.
 #
-# How large is one layer? A GPT layer of width `h` has about `12 h^2`
-# weights (`4 h^2` in attention, `8 h^2` in the MLP). For GPT-3's width the
-# cell counts its weights, their Adam training state (16 bytes per weight
-# in mixed precision) and its stored activations for one 2048-token
-# sequence, counting only six `(s, h)` and two `(s, 4h)` tensors per layer
-# in bf16 and leaving out attention's scores - a lower bound:
+# A model that does not fit is not the reason: FSDP fits any model whose
+# single layer fits. The reasons are three limits of data parallelism at
+# scale. The cell takes Llama 3 405B's published shape and its 16,384-GPU layout, and
+# counts what pure FSDP over all those GPUs would need:
+#
+# - **the batch**: every data-parallel rank needs at least one whole
+#   sequence, so the global batch is at least one sequence per GPU;
+# - **the gathers**: a ring all-gather over `N` ranks takes `N - 1` steps,
+#   each paying the network's fixed latency, per layer, forward and
+#   backward;
+# - **the activations**: FSDP shards weights, never the activations a layer
+#   saves for its backward. Korthikanti et al. (2022) count them per layer
+#   in 16-bit: `s b h (34 + 5 a s / h)` bytes for `s` tokens, batch `b`,
+#   width `h` and `a` heads; the `5 a s / h` part is attention's scores,
+#   which FlashAttention-style kernels recompute instead of saving. Under
+#   tensor parallelism of degree `t` only the parts inside attention and
+#   the MLP shrink, to `s b h (10 + 24 / t + 5 a s / (h t))`; sequence
+#   parallelism (section 4) divides the rest too, to `s b h (34 + 5 a s /
+#   h) / t`. (The count is for a GPT layer; Llama's SwiGLU and shared KV
+#   heads change its constants a little, not the lesson.)
 
 # %%
-h, seq, n_layers = 12288, 2048, 96  # GPT-3 175B's width, context, depth
-layer_weights = 12 * h * h
-adam_bytes = 16 * layer_weights  # bf16 weight + grad, fp32 master, 2 moments
-act_bytes = 2 * seq * (6 * h + 2 * 4 * h)  # a lower bound, bf16
-print(f"one layer: {layer_weights / 1e9:.2f} B weights, "
-      f"{adam_bytes / 2**30:.0f} GiB of training state, "
-      f"{act_bytes / 2**20:.0f} MiB of activations per sequence")
-print(f"{n_layers} layers: {n_layers * adam_bytes / 2**30:,.0f} GiB of state, "
-      f"{n_layers * act_bytes / 2**30:.0f} GiB of activations per sequence")
-per_gpu = n_layers * (adam_bytes + act_bytes) / 8 / 2**30
-gpu_memory = reference.published("h100_sxm.memory_gb")
-print(f"split 8 ways (one 8-GPU node): {per_gpu:,.0f} GiB per GPU, "
-      f"{per_gpu * 2**30 / 1e9 / gpu_memory.value:.1f}x an H100's "
-      f"{gpu_memory.value} GB [{gpu_memory.label}]")
+def activation_bytes(s, b, h, a, t=1, sp=False, selective=False):
+    """Bytes one layer saves for backward (Korthikanti et al., 2022, Table 2)."""
+    scores = 0 if selective else 5 * a * s / h  # attention's softmax and dropout
+    if sp:
+        return s * b * h * (34 + scores) / t
+    return s * b * h * (10 + (24 + scores) / t)
+
+
+layout = reference.published("llama3_2024.layout_16384_gpus")
+shape = reference.published("runs.torchtitan_llama3_405b_fsdp8_tp8_pp8_1f1b_512xh100")
+L, m = layout.value, shape.value["model"]
+n_gpus, seq, h = L["gpus"], L["seq"], m["hidden"]
+batch = L["dp"] * L["batch_per_dp"]  # sequences per step
+print(f"Llama 3 405B: {batch:,} sequences of {seq:,} tokens per step on "
+      f"{n_gpus:,} GPUs [{layout.label}]")
+print(f"  the batch: pure data parallelism needs >= {n_gpus:,} sequences, "
+      f"{n_gpus / batch:.0f}x the published batch")
+head_dim = h // m["heads"]
+layer_params = 2 * h * h + 2 * h * m["kv_heads"] * head_dim + 3 * h * m["ffn"]
+for t in (1, L["tp"]):
+    dp = n_gpus // t
+    print(f"  the gathers, TP {t}: FSDP over {dp:,} ranks gathers "
+          f"{2 * layer_params / t / 2**30:.2f} GiB per layer in {dp - 1:,} steps")
+memory = reference.published("h100_sxm.memory_gb")
+for label, t, sp in (("FSDP alone", 1, False), (f"TP {L['tp']}", L["tp"], False),
+                     (f"TP {L['tp']} + SP", L["tp"], True)):
+    per_gpu = m["layers"] * activation_bytes(seq, 1, h, m["heads"], t, sp,
+                                             selective=True)
+    print(f"  the activations, {label}: {per_gpu / 1e9:,.0f} GB per GPU and "
+          f"sequence for {m['layers']} layers (scores recomputed), "
+          f"{per_gpu / 1e9 / memory.value:.1f}x an H100's {memory.value} GB")
+print(f"[{m['name']}: {m['layers']} layers, width {h}, {m['heads']} query heads "
+      f"sharing {m['kv_heads']} KV heads; {m['shape_source']}]")
 
 # %% [markdown]
-# Even split 8 ways it does not fit, so tensor parallelism is combined with
-# pipelines and sharding (section 5). The price is communication *inside*
-# every layer: the forward pass of each
-# attention and each MLP ends with an all-reduce of the full activation, and
-# the next layer cannot start before it finishes. So the link between the
-# devices sets the pace. Inside an 8-GPU node NVLink carries hundreds of
-# GB/s per GPU; between nodes each GPU has one network port, about nine
-# times slower (published figures in section 6). That is why tensor
+# Tensor parallelism answers all three: `t` GPUs work on one sequence, so
+# the data-parallel degree and its minimum batch drop `t`-fold; FSDP's ring
+# has `t` times fewer steps and gathers `t` times fewer bytes; with
+# sequence parallelism the activations divide by `t`. (Pipelines divide the
+# layers, and the activations per GPU with them; Llama 3 used both, TP 8
+# and PP 16; Chapter 13 composes them.)
+#
+# The price is communication *inside* every layer: the forward pass of
+# each attention and each MLP ends with a collective of the full
+# activation, and the next layer cannot start before it finishes. So the
+# link between the devices sets the pace. Inside an 8-GPU node NVLink
+# carries hundreds of GB/s per GPU; between nodes a GPU's share of the
+# network is far less (section 7 predicts both). That is why tensor
 # parallelism is used inside a node, and pipelines or data parallelism
 # across nodes.
 #
@@ -393,18 +436,22 @@ def parallelize_gpt(model, mesh, sequence_parallel=False, loss_parallel=False):
 # (`CommDebugMode` around forward and backward) and the activation bytes
 # that autograd saves for the backward, counted by a saved-tensors hook
 # (Chapter 8) that sums each storage once and skips the weights. What a
-# rank really holds is the storage under a DTensor's local tensor (or under
-# a collective's pending result, an `AsyncCollectiveTensor`).
+# rank really holds is the storage under a DTensor's `to_local()`, or under
+# a collective's pending result once waited for (`AsyncCollectiveTensor`,
+# from the private module `torch.distributed._functional_collectives`).
 
 # %%
 def local_storage(t):
-    while isinstance(t, (DTensor, AsyncCollectiveTensor)):
-        t = t._local_tensor if isinstance(t, DTensor) else t.elem
+    with torch.no_grad():
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, AsyncCollectiveTensor):
+            t = t.wait()
     return t.untyped_storage()
 
 
 def train_step(model, tokens, targets, use_loss_parallel=False):
-    """Forward and backward once: (loss, collective counts, saved bytes)."""
+    """Forward and backward once: (loss, collectives per pass, saved bytes)."""
     seen = {local_storage(p).data_ptr() for p in model.parameters()}
     saved = [0]
 
@@ -415,18 +462,16 @@ def train_step(model, tokens, targets, use_loss_parallel=False):
             saved[0] += storage.nbytes()
         return t
 
-    with CommDebugMode() as mode, torch.autograd.graph.saved_tensors_hooks(
-            pack, lambda t: t):
-        logits = model(tokens)
-        if use_loss_parallel:
-            with loss_parallel():  # cross-entropy on vocabulary shards
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                loss.backward()
-            loss = loss.full_tensor()
-        else:
+    sharded_loss = loss_parallel() if use_loss_parallel else nullcontext()
+    with sharded_loss, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with CommDebugMode() as forward:
+            logits = model(tokens)  # under loss_parallel: vocabulary shards
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with CommDebugMode() as backward:
             loss.backward()
-    return loss.item(), comm_counts(mode), saved[0]
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss.item(), (comm_counts(forward), comm_counts(backward)), saved[0]
 
 
 # %% [markdown]
@@ -478,6 +523,9 @@ def tour(rank, world_size):
     torch.manual_seed(0)
     buggy = parallelize_gpt(GPT(attention=HardCodedHeads).to(dev), mesh)
     out["hard-coded heads"] = train_step(buggy, tokens, targets)[0]
+    torch.manual_seed(0)  # one seed on every rank, as for the weights
+    kept = F.dropout(torch.ones(12, device=dev), 0.5)
+    out["dropout"] = kept.nonzero().flatten().tolist()
     return out
 
 
@@ -546,47 +594,95 @@ print(f"view(b, s, n_heads, -1) under TP: loss {bug:.6f}, one process "
 # exponentials and target logit are combined with small all-reduces, and
 # the big `(tokens, vocab)` logits are never gathered.
 #
-# The collectives of one training step, counted:
+# The collectives of one training step, counted, forward + backward:
 
 # %%
-print(f"{'':17s} {'all_reduce':>11s} {'all_gather':>11s} {'reduce_scatter':>15s}")
+kinds = ("all_reduce", "all_gather", "reduce_scatter")
+print(f"{'':17s}" + "".join(f"{c:>16s}" for c in kinds))
 for name in ("TP", "TP+SP", "TP+loss_parallel"):
-    counts = results[name][1]
-    print(f"{name:17s} " + " ".join(
-        f"{counts.get(c, 0):>{w}d}" for c, w in
-        (("all_reduce", 11), ("all_gather", 11), ("reduce_scatter", 15))))
+    fwd, bwd = results[name][1]
+    print(f"{name:17s}" + "".join(
+        f"{f'{fwd.get(c, 0)} + {bwd.get(c, 0)}':>16s}" for c in kinds))
+totals = {name: {c: sum(passes.get(c, 0) for passes in results[name][1])
+                 for c in kinds} for name in ("TP", "TP+SP")}
+tp_back, sp_back = results["TP"][1][1], results["TP+SP"][1][1]
+print(f"TP's {totals['TP']['all_reduce']} all-reduces became "
+      f"{totals['TP+SP']['reduce_scatter']} reduce-scatters and "
+      f"{totals['TP+SP']['all_gather']} all-gathers; in the backward, "
+      f"{tp_back.get('all_reduce', 0)} all-reduces became "
+      f"{sp_back.get('reduce_scatter', 0)} reduce-scatters")
 
 # %% [markdown]
-# Read the TP line with the plan in mind: forward, an all-reduce per
+# Read the TP line with the plan in mind. Forward: an all-reduce per
 # row-parallel layer (the embedding, and `wo` and `mlp.2` in each block)
-# and one all-gather of the logits; backward, an all-reduce of the input
-# gradient at each column-parallel entry - the `f` of section 2. (`wq`, `wk`
-# and `wv` each count one: Megatron fuses them into one linear to pay once.)
-# Under SP, every all-reduce became a reduce-scatter / all-gather pair:
-# none is left. `loss_parallel` drops the logits all-gather and adds three
-# small all-reduces of per-token numbers.
+# and one all-gather of the logits. Backward: an all-reduce of the input
+# gradient at each column-parallel entry, the `f` of section 2 - `wq`,
+# `wk`, `wv` and `mlp.0`, four per block, and the output layer.
 #
-# What SP buys is memory. The activations saved for backward, per rank:
+# The SP line is *not* "each all-reduce became a pair". Its forward pays a
+# reduce-scatter where TP paid an all-reduce, and an all-gather before
+# attention, the MLP and the output layer; its backward mirrors the
+# forward, an all-gather per reduce-scatter and a reduce-scatter per
+# gather (the logits' gather excepted: its backward is a free split). The
+# backward has fewer collectives than TP's because the three all-reduces of
+# `wq`, `wk` and `wv` merged into one reduce-scatter: `PrepareModuleInput`
+# hands attention *one* replicated DTensor, the three partial gradients
+# (`Partial` placements) add up locally, and one collective closes them.
+# Under plain TP each column-parallel linear makes its own DTensor from a
+# plain input and pays its own. Megatron fuses `wq`, `wk`, `wv` into one
+# linear for the same saving: 4 collectives per layer instead of the 6
+# measured here, the count Chapter 13's planner uses. Exercise 10.2 asks
+# for that saving without fusing.
+#
+# `loss_parallel` drops the logits all-gather and adds three small
+# all-reduces of per-token numbers.
+#
+# What SP buys is memory. The activations saved for backward, per rank,
+# and the published reduction beside Korthikanti et al.'s count (section 1)
+# at this toy size and at GPT-3's (`s` 2048, `h` 12288, 96 heads, `t` 8):
 
 # %%
-one_bytes = results["one process"][2]
-for name in ("TP", "TP+SP"):
-    b = results[name][2]
-    print(f"{name:6s} {b / 1024:6.1f} KiB per rank ({b / one_bytes:.0%} of one "
-          f"process's {one_bytes / 1024:.1f} KiB)")
-tp_b, sp_b = results["TP"][2], results["TP+SP"][2]
-print("verdict: " + (f"sequence parallelism saved {1 - sp_b / tp_b:.0%} of "
-                     "TP's saved activations per rank" if sp_b < tp_b else
-                     "no saving here"))
+saved = {name: results[name][2] for name in ("one process", "TP", "TP+SP")}
+for name, b in saved.items():
+    print(f"{name:11s} {b / 1024:6.1f} KiB per rank ({b / saved['one process']:.0%}"
+          " of one process)")
+print("verdict: " + (f"sequence parallelism saved {1 - saved['TP+SP'] / saved['TP']:.0%}"
+                     " of TP's saved activations per rank"
+                     if saved["TP+SP"] < saved["TP"] else "no saving here"))
+toy, gpt3 = (16, 3, 32, 4, 2), (2048, 1, 12288, 96, 8)  # s, b, h, heads, t
+counted = {}
+for label, (s_, b_, h_, a_, t_) in (("toy", toy), ("GPT-3", gpt3)):
+    tp_only = activation_bytes(s_, b_, h_, a_, t_)
+    counted[label] = {"TP": tp_only,
+                      "TP+SP": activation_bytes(s_, b_, h_, a_, t_, sp=True),
+                      "TP+SP, selective": activation_bytes(s_, b_, h_, a_, t_, True,
+                                                           True)}
+    print(f"counted, {label}: TP+SP saves {1 - counted[label]['TP+SP'] / tp_only:.0%}"
+          f" of TP's; with selective recomputation "
+          f"{tp_only / counted[label]['TP+SP, selective']:.1f}x less than TP")
+five = reference.published("korthikanti_2022.activation_memory_reduction")
+print(f"published: {five.value}{five.unit} [{five.label}]")
+fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))
+left.bar(list(saved), [b / 1024 for b in saved.values()], color=["C7", "C0", "C1"])
+left.set(ylabel="KiB per rank", title="saved for backward, measured here")
+right.bar(list(counted["GPT-3"]), [b / 2**30 for b in counted["GPT-3"].values()],
+          color=["C0", "C1", "C2"])
+right.set(ylabel="GiB per layer and GPU", title="GPT-3 layer, t = 8 (counted)")
+right.tick_params(axis="x", labelsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # TP alone splits only what lives inside attention and the MLP; the norms'
 # inputs, the residual stream and the logits' inputs stay whole on every
-# rank. SP splits those too. Not everything: the all-gathered input of each
-# column-parallel layer is still saved whole here (Megatron-LM saves the
-# shard instead and gathers it again in the backward). Korthikanti et al.
-# pair SP with selective recomputation of attention's largest activations
-# (published figures in section 6).
+# rank. SP splits those too. Here it saves little, for two reasons the
+# count shows: `t` is 2, so the split parts only halve, and at 16 tokens
+# attention's scores (`5 a s / h`) are small. The demo also saves each
+# all-gathered input whole (Megatron-LM saves the shard and gathers it again
+# in the backward). At GPT-3's size with `t` = 8, the count gives the
+# published 5x only with **selective recomputation**: attention's scores,
+# which grow with `s` and `a`, are recomputed rather than saved, and SP
+# divides the rest by 8.
 #
 # ## 5. 2-D parallelism: FSDP2 across, TP within
 #
@@ -596,21 +692,38 @@ print("verdict: " + (f"sequence parallelism saved {1 - sp_b / tp_b:.0%} of "
 # `{1, 3}` are data-parallel replicas that FSDP2 (`fully_shard`, Chapter 9)
 # shards across. Each data-parallel group reads its own half of the batch;
 # the mean of their losses is the whole batch's loss.
+#
+# The order is fixed: **TP first, FSDP second**. `parallelize_module`
+# splits plain weights into DTensors on the `tp` mesh; `fully_shard` then
+# shards whatever it finds, TP's DTensors included, along `dp`, and its
+# all-gathers rebuild only TP's slice. The cell tries the other order too.
+# It also saves the 2-D model with **Distributed Checkpoint** (DCP,
+# `torch.distributed.checkpoint`, Chapter 12): each rank writes its own
+# pieces, and a model built with other weights loads them back, each rank
+# reading what its placements need.
 
 # %%
-def two_d(rank, world_size):
+def build_2d(mesh, dev, seed):
+    torch.manual_seed(seed)
+    model = parallelize_gpt(GPT().to(dev), mesh["tp"])  # TP first
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])  # then FSDP
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def two_d(rank, world_size, folder):
     dev = rank_device(rank)
     mesh = init_device_mesh(dev.type, (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(1)
     tokens, targets = torch.randint(0, 64, (2, 4, 16), device=dev)
-    torch.manual_seed(0)
-    model = parallelize_gpt(GPT().to(dev), mesh["tp"])
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model = build_2d(mesh, dev, seed=0)
     half = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
-    loss = F.cross_entropy(model(tokens[half]).flatten(0, 1),
-                           targets[half].flatten())
+
+    def loss_of(m):
+        return F.cross_entropy(m(tokens[half]).flatten(0, 1), targets[half].flatten())
+
+    loss = loss_of(model)
     loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
@@ -621,17 +734,43 @@ def two_d(rank, world_size):
     ref_loss.backward()
     wq = model.layers[0].attn.wq.weight
     grad_diff = (wq.grad.full_tensor() - ref.layers[0].attn.wq.weight.grad).abs()
-    return (mesh.get_coordinate(), mean_loss.item(), ref_loss.item(),
-            grad_diff.max().item(), str(wq.placements),
-            tuple(wq.to_local().shape), str(model.norm.weight.placements))
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    other = build_2d(mesh, dev, seed=5)
+    with torch.no_grad():
+        before = loss_of(other).item()
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=folder)  # in place, into other's shards
+        after = loss_of(other).item()
+    try:
+        torch.manual_seed(0)
+        reverse = fully_shard(GPT().to(dev), mesh=mesh["dp"])
+        parallelize_gpt(reverse, mesh["tp"])
+        reverse_error = "none"
+    except Exception as e:
+        reverse_error = f"{type(e).__name__}: {e}"
+    return {"coord": tuple(mesh.get_coordinate()), "loss": mean_loss.item(),
+            "ref_loss": ref_loss.item(), "grad_diff": grad_diff.max().item(),
+            "placements": str(wq.placements), "local": tuple(wq.to_local().shape),
+            "norm": str(model.norm.weight.placements), "own_loss": loss.item(),
+            "dcp": (before, after), "reverse": reverse_error}
 
 
-for r in launch(two_d, 4, timeout=120, echo=False):
-    coord, loss, ref_loss, gdiff, placements, local, norm = r.value
-    print(f"rank {r.rank} (dp, tp) = {tuple(coord)}: loss {loss:.6f} vs one "
-          f"process {ref_loss:.6f}; wq grad differs by {gdiff:.1e}; wq local "
-          f"{local}, {placements}")
-print(f"final norm's weight: {norm}")
+folder = scratch_folder("ch10-")  # removed with the chapter, however it ends
+two_d_runs = launch(two_d, 4, args=(str(folder),), timeout=120, echo=False)
+files = sorted(os.listdir(folder))
+for r in two_d_runs:
+    v = r.value
+    print(f"rank {r.rank} (dp, tp) = {v['coord']}: loss {v['loss']:.6f} vs one "
+          f"process {v['ref_loss']:.6f}; wq grad differs by {v['grad_diff']:.1e}; "
+          f"wq local {v['local']}, {v['placements']}")
+print(f"final norm's weight: {v['norm']}")
+print(f"DCP wrote {files}")
+for r in two_d_runs:
+    (before, after), own = r.value["dcp"], r.value["own_loss"]
+    print(f"rank {r.rank}: other weights' loss {before:.6f}, after loading "
+          f"{after:.6f} (saved model {own:.6f}: "
+          f"{'the same' if after == own else 'different'})")
+print(f"FSDP first, then TP: {v['reverse'][:150]}")
 
 # %% [markdown]
 # How to read the placements: one entry per mesh dimension, `(dp, tp)`.
@@ -644,40 +783,179 @@ print(f"final norm's weight: {norm}")
 # The final norm is not tensor-parallel, so FSDP makes it a DTensor on the
 # `dp` mesh alone: a single placement, `Shard(0)`.
 #
-# ## 6. On GPUs: what a layer's collectives cost
+# The other order fails: after `fully_shard` the weights are already
+# DTensors on the `dp` mesh, and a TP style cannot redistribute them onto
+# another mesh. DCP wrote one file per rank and a `.metadata` index; the
+# loaded model computes the saved model's loss exactly, since every rank
+# read back the very values it had written.
+#
+# ## 6. In practice: heads, random numbers, overlap
+#
+# **Grouped-query attention.** Llama-style models share each key/value head
+# among several query heads. Tensor parallelism splits `wk` and `wv` by
+# heads like `wq`, so the number of KV heads must divide by `t`: Llama 3
+# 405B has 8 (section 1 printed its shape), hence TP of at most 8 without
+# copying K and V. Beyond that each KV head has to be replicated on
+# the ranks whose queries use it. The reshape rule of section 3 still
+# holds: `view(b, s, -1, head_dim)` for K and V too. Exercise 10.2's model
+# uses grouped-query attention.
+#
+# **Dropout and random numbers.** Every rank seeds its generator alike, so
+# that the weights agree. Dropout then draws the same mask on every rank,
+# which is what a *replicated* region needs (the copies must stay equal).
+# In a *sharded* region it is wrong: each rank holds different tokens (SP)
+# or different heads (attention's dropout under TP), and the same seed gives
+# every shard the same pattern. Here is each rank's draw of 12 keep/drop
+# decisions after `torch.manual_seed(0)`:
+
+# %%
+for r in runs:
+    print(f"rank {r.rank} keeps positions {r.value['dropout']}")
+same = runs[0].value["dropout"] == runs[1].value["dropout"]
+print("verdict: " + ("the same pattern on both ranks - right for replicated "
+                     "activations, correlated for shards" if same else
+                     "different patterns"))
+
+# %% [markdown]
+# Megatron-LM keeps two generators, one seeded alike (replicated regions)
+# and one seeded per TP rank (sharded regions). DTensor does it by
+# placement on GPU meshes: a random op on a sharded DTensor draws its
+# shard's own part of one global stream, so the whole matches one process
+# (its offset-based generator lives in the private module
+# `torch.distributed.tensor._random`; CPU meshes fall back to each rank's
+# own generator).
+#
+# **Overlapping the collectives.** A layer's all-gather must finish before
+# its matmul, and its reduce-scatter waits for the matmul: plain TP leaves
+# them on the critical path. *Async TP* splits each pair into chunks, so
+# that one chunk travels while the previous one multiplies. torchtitan
+# ships it as a `torch.compile` pass (its `enable_async_tensor_parallel`
+# option, built on the private `torch.distributed._symmetric_memory`). Its
+# published measurement:
+
+# %%
+for model_name, n in (("70b", "fsdp32_tp8_bf16_256xh100"),
+                      ("8b", "fsdp8_tp8_bf16_64xh100")):
+    plain = reference.published(f"runs.torchtitan_llama3_{model_name}_{n}")
+    overlapped = reference.published(
+        f"runs.torchtitan_llama3_{model_name}_{n.replace('bf16', 'bf16_asynctp')}")
+    rate, rate_async = (f.value["measured"]["tokens_per_s_per_gpu"]
+                        for f in (plain, overlapped))
+    v = plain.value
+    print(f"{v['model']['name']} on {v['n_gpus']} GPUs (FSDP {v['dp']} x TP "
+          f"{v['tp']}): {rate:,} -> {rate_async:,} tokens/s per GPU with async TP, "
+          f"{rate_async / rate:.2f}x")
+print(f"[{plain.label}]")
+
+# %% [markdown]
+# Overlap hides part of the communication, not all of it: the first chunk
+# waits, the chunked matmuls run a little less efficiently, and the gain
+# is bounded by the communication's share of the step.
+#
+# ## 7. On GPUs: what a layer's collectives cost
 #
 # The counts above set the traffic: per layer and step, Megatron's layer
 # (Q, K, V fused) does 4 all-reduces of the `(tokens, h)` activation - 2
 # forward, 2 backward - or, with SP, 4 reduce-scatters and 4 all-gathers of
-# the same total bytes. A prediction for a GPT-3-width layer on one 8-GPU
-# H100 node (NVLink), across two nodes (each GPU's 400 Gb/s InfiniBand
-# port), and on 2 x T4 (PCIe 3, no NVLink), each beside the layer's own
-# compute time at the GPU's peak:
+# the same total bytes. The cell predicts them for one 2048-token sequence
+# of GPT-3's width, beside the layer's own compute at the H100's bf16 peak
+# (`24 s h^2 + 4 s^2 h` FLOPs forward, 3x that per step, divided by `t`;
+# the peak makes compute as short as it can be, so the ratio is an upper
+# bound on communication's share). One thing changes at a time: first the
+# TP degree on NVLink inside a node, then the link at 8 GPUs.
 
 # %%
-tokens_per_step, width = 2048, 12288  # one sequence of GPT-3's width
-layer_flops = 3 * 24 * tokens_per_step * width**2  # forward + backward
-for tp, link, gpu, math in ((8, "nvlink_h100", "h100_sxm", "bf16"),
-                            (16, "ndr_infiniband", "h100_sxm", "bf16"),
-                            (2, "pcie3_x16", "t4", "fp16")):
-    comm = predict.tp_layer_comm_seconds(tokens_per_step, width, tp, link)
-    compute = predict.roofline_seconds(layer_flops / tp, 0, gpu, math)
-    reference.show(f"10.tp_comm_{link}", figures=[comm], fmt="{:.3g}")
-    print(f"  vs compute {compute.value * 1e3:.2f} ms per GPU at {gpu}'s peak "
-          f"{math}: communication is {comm.value / compute.value:.2f}x the compute")
+width, heads = 12288, 96  # GPT-3
+
+
+def layer_times(tp, link, tokens=2048, gpu="h100_sxm", math="bf16"):
+    """(communication, compute) Figures of one layer's training step per GPU."""
+    flops = 3 * (24 * tokens * width**2 + 4 * tokens**2 * width) / tp
+    return (predict.tp_layer_comm_seconds(tokens, width, tp, link),
+            predict.roofline_seconds(flops, 0, gpu, math))
+
+
+def show_times(label, comm, compute):
+    print(f"  {label}: communication {comm.value * 1e3:.2f} ms, compute "
+          f"{compute.value * 1e3:.2f} ms -> {comm.value / compute.value:.2f}x")
+
+
+cases = {}
+print("TP degree, NVLink inside one H100 node:")
+for tp in (2, 4, 8):
+    cases[f"TP {tp}, NVLink"] = layer_times(tp, "nvlink_h100")
+    show_times(f"TP {tp}", *cases[f"TP {tp}, NVLink"])
+ratios = [comm.value / compute.value for comm, compute in cases.values()]
+print(f"  [{cases['TP 8, NVLink'][0].label}]")
+print("verdict: communication's share " + (
+    "grows with the TP degree" if ratios == sorted(ratios) else
+    "does not grow steadily with the TP degree") +
+      f" ({ratios[0]:.2f}x at TP 2, {ratios[-1]:.2f}x at TP 8)")
+print("the link, TP 8:")
+cases["TP 8, InfiniBand"] = layer_times(8, "ndr_infiniband")
+show_times("across nodes", *cases["TP 8, InfiniBand"])
+ib, nv = cases["TP 8, InfiniBand"][0].value, cases["TP 8, NVLink"][0].value
+print(f"  [{cases['TP 8, InfiniBand'][0].label}]")
+print(f"verdict: the same 8-way split communicates {ib / nv:.1f}x "
+      + ("longer" if ib > nv else "shorter") + " across nodes than over NVLink")
+print("2 x T4 (PCIe 3, no NVLink), fp16:")
+cases["TP 2, 2 x T4"] = layer_times(2, "pcie3_x16", gpu="t4", math="fp16")
+show_times("TP 2", *cases["TP 2, 2 x T4"])
+print(f"  [{cases['TP 2, 2 x T4'][0].label}]")
+
+fig, ax = plt.subplots(figsize=(8, 3))
+names = list(cases)
+for i, (what, color) in enumerate((("communication", "C3"), ("compute", "C0"))):
+    ax.bar([x + 0.4 * i for x in range(len(names))],
+           [cases[n][i].value * 1e3 for n in names], 0.4, label=what, color=color)
+ax.set_xticks([x + 0.2 for x in range(len(names))], names, fontsize=8)
+ax.set(ylabel="ms per layer and step", yscale="log",
+       title="one GPT-3 layer, one 2048-token sequence (predicted)")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
-# Inside the H100 node the collectives cost a fraction of the (ideal)
-# compute, and real systems overlap part of them with it; across nodes they
-# cost several times the compute, and nothing can hide that. On two T4s the
-# ratio is small only because their compute is slow: the faster the GPU,
-# the more its links matter. Published results at scale:
+# Inside the node the collectives cost a fraction of the ideal compute, and
+# overlap (section 6) hides part of that. Each prediction's label ends with
+# what the model leaves out and which way that moves its number; read the
+# across-node ratio with it, not as a measurement. On two T4s the ratio is
+# small only because their compute is slow: the faster the GPU, the more
+# its links matter. Drag the sliders: the TP degree, the sequence length and
+# the link against the time per layer, and the activations one layer saves
+# per GPU (section 1's count, attention's scores recomputed):
+
+# %%
+def draw_layer(tp=8, tokens=2048, link="nvlink_h100"):
+    comm, compute = layer_times(tp, link, tokens)
+    saved = {"TP": activation_bytes(tokens, 1, width, heads, tp, selective=True),
+             "TP+SP": activation_bytes(tokens, 1, width, heads, tp, True, True)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))
+    left.bar(["compute", "communication"], [compute.value * 1e3, comm.value * 1e3],
+             color=["C0", "C3"])
+    left.set(ylabel="ms per layer and step (predicted)",
+             title=f"TP {tp} over {link}: {comm.value / compute.value:.2f}x")
+    right.bar(list(saved), [b / 2**20 for b in saved.values()], color=["C0", "C1"])
+    right.set(ylabel="MiB per layer and GPU",
+              title=f"SP saves {1 - saved['TP+SP'] / saved['TP']:.0%} of TP's")
+    plt.tight_layout()
+    plt.show()
+
+
+widgets.interact(draw_layer,
+                 tp=widgets.IntSlider(value=4, min=2, max=8, step=2,
+                                      description="TP degree"),
+                 tokens=widgets.IntSlider(value=2048, min=512, max=32768, step=512,
+                                          description="tokens"),
+                 link=["nvlink_h100", "ndr_infiniband"]);
+
+# %% [markdown]
+# Published results at scale:
 
 # %%
 for key in ("megatron_2019.scaling_efficiency_512_gpus",
             "megatron_2021.aggregate_pflops_3072_gpus",
             "megatron_2021.fraction_of_peak_3072_gpus",
-            "korthikanti_2022.activation_memory_reduction",
             "korthikanti_2022.mfu_530b_sp_selective",
             "korthikanti_2022.mfu_530b_full_recompute"):
     f = reference.published(key)
@@ -692,28 +970,32 @@ for key in ("megatron_2019.scaling_efficiency_512_gpus",
 # utilisation, against recomputing whole layers to fit.
 #
 # **On your GPUs.** A launch gets `nccl` when there is a GPU for each of its
-# ranks: with 2 GPUs the 2-rank launches ran over `nccl` and the 4-rank 2-D
-# one over `gloo` on the CPU; with 4 or more, all of them ran over `nccl`.
-# The counts are the same either way: the plan, not the device, decides the
-# collectives. The losses differ from one process by float rounding on
-# either.
+# ranks. With one GPU, every launch here needs 2 or 4 ranks, so all of them
+# ran over `gloo` on the CPU and the GPU stayed idle (tensor parallelism
+# needs two devices at least). With 2 GPUs the 2-rank launches ran over `nccl` and
+# the 4-rank 2-D one over `gloo`; with 4 or more, all of them ran over
+# `nccl`. The counts are the same either way: the plan, not the device,
+# decides the collectives. The losses differ from one process by float
+# rounding on either.
 
 # %% [markdown]
 # ## Summary
 #
-# - Tensor parallelism splits each layer: column-parallel then row-parallel
-#   linear, one all-reduce forward (`g`) and one backward (`f`) per MLP or
-#   attention; attention splits by heads.
-# - A DTensor is a local tensor plus placements on a device mesh; changing
-#   `Shard` to `Replicate` is an all-gather, `Partial` to `Replicate` an
-#   all-reduce, `Partial` to `Shard` a reduce-scatter.
-# - `parallelize_module` applies a plan of `ColwiseParallel` /
-#   `RowwiseParallel`; reshapes must use the local head count
-#   (`view(b, s, -1, head_dim)`).
-# - Sequence parallelism turns each all-reduce into a reduce-scatter and an
-#   all-gather (same bytes) and shards the norms' activations;
-#   `loss_parallel` never gathers the logits.
-# - TP stays inside a node (NVLink); 2-D meshes add FSDP2 across nodes.
+# - Tensor parallelism is used at scale because data parallelism alone
+#   runs out of batch, its gathers take a step per rank, and it never
+#   divides activations; TP divides all three by `t`.
+# - The Megatron split: column-parallel then row-parallel linear, one
+#   collective forward (`g`) and one backward (`f`) per sublayer; attention
+#   splits by heads, and KV heads must divide by `t`.
+# - A DTensor is a local tensor plus placements on a device mesh; `Shard`
+#   to `Replicate` is an all-gather, `Partial` to `Replicate` an all-reduce,
+#   `Partial` to `Shard` a reduce-scatter.
+# - One replicated DTensor into a sublayer (`PrepareModuleInput`) sums its
+#   linears' input gradients before one collective, as fused QKV does.
+# - Sequence parallelism shards the norms' activations by sequence at no
+#   extra bytes; its large savings come with selective recomputation.
+# - TP before FSDP on a 2-D mesh; DCP saves and loads it per rank; overlap
+#   (async TP) hides part of the communication; TP stays inside a node.
 
 # %% [markdown]
 # ## Exercises
@@ -757,17 +1039,25 @@ def head_parallel_attention(x, wq, wk, wv, wo, n_heads):
 check_head_parallel_attention(head_parallel_attention)
 
 # %% [markdown]
-# ### Exercise 10.2: a plan for a Llama-style model
+# ### Exercise 10.2: one collective per sublayer, both ways
 #
 # Write `parallelize_llama(model, mesh, sequence_parallel)` that applies a
-# tensor-parallel plan to the model below (its MLP is SwiGLU:
-# `down(silu(gate(x)) * up(x))`) on `mesh`, with sequence parallelism when
-# `sequence_parallel` is true. The model must then return full logits
-# (batch, seq, vocab) as a plain tensor. The checker runs it on 2 ranks and
-# wants: the loss and every gradient equal to one process; every linear
-# inside the blocks sharded; exactly one collective per sublayer in the
-# forward (an all-reduce, or with SP a reduce-scatter) and nothing else
-# inside the blocks except SP's all-gathers.
+# tensor-parallel plan to the model below on `mesh`, with sequence
+# parallelism when `sequence_parallel` is true. Its attention is
+# grouped-query (4 query heads share 2 KV heads, so `k_proj` and `v_proj`
+# are narrower) and its MLP is SwiGLU: `down(silu(gate(x)) * up(x))`, two
+# column-parallel linears side by side. The model must then return full
+# logits (batch, seq, vocab) as a plain tensor.
+#
+# The new part: section 4's plan pays one backward all-reduce per
+# column-parallel linear. Yours must pay **one
+# collective per sublayer in each direction**, as fused Q, K, V would, but
+# without fusing anything. The checker runs it on 2 ranks and wants: the
+# loss and every gradient equal to one process; every linear inside the
+# blocks sharded; and, counted inside the blocks only (the embedding and
+# the output layer are yours to split as you like), per attention and per
+# feed-forward exactly one all-reduce forward and one backward, or with SP
+# one all-gather and one reduce-scatter each way.
 
 # %%
 print(exercise_model())
@@ -784,12 +1074,15 @@ def parallelize_llama(model, mesh, sequence_parallel):
         "feed_forward.gate": ColwiseParallel(), "feed_forward.up": ColwiseParallel(),
         "feed_forward.down": RowwiseParallel(output_layouts=between),
     }
+    # one replicated DTensor into each sublayer: its linears' partial input
+    # gradients add up locally and one collective closes them (under SP, the
+    # same module also gathers the sequence)
+    one_input = PrepareModuleInput(input_layouts=(between,),
+                                   desired_input_layouts=(Replicate(),))
+    block_plan |= {"attention": one_input, "feed_forward": one_input}
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(seq,),
-                                    desired_input_layouts=(Replicate(),))
         block_plan |= {"attention_norm": SequenceParallel(),
-                       "ffn_norm": SequenceParallel(),
-                       "attention": gather, "feed_forward": gather}
+                       "ffn_norm": SequenceParallel()}
     for block in model.layers:
         parallelize_module(block, mesh, block_plan)
     top_plan = {
@@ -808,22 +1101,27 @@ def parallelize_llama(model, mesh, sequence_parallel):
 check_parallelize_plan(parallelize_llama)
 
 # %% [markdown]
-# ### Exercise 10.3: predict the counts
+# ### Exercise 10.3: predict the counts of another model
 #
-# Section 4 counted the collectives of one training step of its 2-layer GPT.
-# Write `predict_collectives(n_layers, sequence_parallel, loss_parallel)`
-# returning `{"all_reduce": ..., "all_gather": ..., "reduce_scatter": ...}`
-# for the same GPT and `parallelize_gpt` plan with `n_layers` blocks, for
-# any combination of the two switches (SP *and* `loss_parallel` too). Work
-# out where each collective comes from; the checker runs the real thing at
-# several depths.
+# Section 4 counted the collectives of one training step of its GPT. Now
+# predict them for Exercise 10.2's model under section 4's plan, one style
+# per linear (not your merged plan): `ColwiseParallel` on `q_proj`,
+# `k_proj`, `v_proj`, `gate` and `up`; `RowwiseParallel` on `out_proj` and
+# `down`; the embedding row-parallel, the output layer column-parallel;
+# and `sequence_parallel` and `loss_parallel` switched as in
+# `parallelize_gpt`. Write `predict_collectives(n_layers, sequence_parallel,
+# loss_parallel)` returning `{"all_reduce": ..., "all_gather": ...,
+# "reduce_scatter": ...}` for one rank's forward and backward, for any
+# depth and any combination of the two switches. The checker builds that
+# model and plan, runs real steps at several depths on 2 ranks and counts.
 
 # %% tags=["exercise"] exercise="10.3"
 def predict_collectives(n_layers, sequence_parallel, loss_parallel):
     ### BEGIN SOLUTION
     if not sequence_parallel:
-        # forward: embedding + 2 per block; backward: head input + 4 per block
-        return {"all_reduce": 2 + 6 * n_layers + (3 if loss_parallel else 0),
+        # forward: embedding + 2 per block; backward: the output layer's input
+        # and q, k, v, gate, up: 5 per block
+        return {"all_reduce": 2 + 7 * n_layers + (3 if loss_parallel else 0),
                 "all_gather": 0 if loss_parallel else 1, "reduce_scatter": 0}
     # each forward reduce-scatter has an all-gather backward, and the reverse;
     # the logits' gather (not with loss_parallel) has a free split backward
@@ -854,3 +1152,10 @@ check_predicted_counts(predict_collectives)
 # | loss parallel | 损失并行 |
 # | 2-D parallelism | 二维并行 |
 # | attention head | 注意力头 |
+# | grouped-query attention | 分组查询注意力 |
+# | selective activation recomputation | 选择性激活重计算 |
+# | asynchronous tensor parallelism (compute-communication overlap) | 异步张量并行（计算与通信重叠） |
+# | distributed checkpoint | 分布式检查点 |
+
+# %%
+tidy_up()  # the last cell: the chapter's temporary folder goes

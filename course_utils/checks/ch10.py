@@ -6,11 +6,15 @@ on CPU ranks on any machine, with a timeout) and judges what it does:
 - 10.1: head-parallel attention on 2 and 3 ranks with odd sizes (float32 and
   float64): output, ``x.grad`` and weight gradients against one process, and
   which heads each rank really computed (from its weight gradients);
-- 10.2: a tensor-parallel plan for a Llama-style model on 2 ranks, with and
-  without sequence parallelism: loss and every gradient against one process,
-  every linear sharded, and the forward collectives counted by CommDebugMode;
+- 10.2: a tensor-parallel plan for a Llama-style model (grouped-query
+  attention, SwiGLU) on 2 ranks, with and without sequence parallelism: loss
+  and every gradient against one process, every linear sharded, plain full
+  logits, and the collectives inside the blocks (``layers.<i>``, so that the
+  embedding and the output layer may be split either way) counted by
+  CommDebugMode in the forward and the backward: one per sublayer each way;
 - 10.3: predicted collective counts against the counts of real training steps
-  of the chapter's GPT at depths 1 and 3 (measured once, then cached).
+  of the same model under section 3's one-style-per-linear plan at depths 1
+  and 3 (measured once, then cached).
 
 The ``_*_rank`` functions take a list of answers, so that the tests can judge
 many answers in one launch; the checkers pass one.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from collections.abc import Callable
 
@@ -256,17 +261,21 @@ def check_head_parallel_attention(head_parallel_attention: Callable) -> None:
 # ---------------------------------------------------------------- exercise 10.2
 
 class _LlamaAttention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
+    """Grouped-query attention: ``n_kv_heads`` key/value heads shared by the queries."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.head_dim = dim // n_heads
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for w in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.out_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -282,10 +291,10 @@ class _SwiGLU(nn.Module):
 
 
 class _LlamaBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim)
-        self.attention = _LlamaAttention(dim, n_heads)
+        self.attention = _LlamaAttention(dim, n_heads, n_kv_heads)
         self.ffn_norm = nn.RMSNorm(dim)
         self.feed_forward = _SwiGLU(dim, hidden)
 
@@ -295,13 +304,14 @@ class _LlamaBlock(nn.Module):
 
 
 class LlamaLike(nn.Module):
-    """Exercise 10.2's model: RMSNorm, attention, SwiGLU; no position embedding."""
+    """Exercise 10.2's model: RMSNorm, grouped-query attention, SwiGLU; no position
+    embedding."""
 
     def __init__(self, vocab: int = 40, dim: int = 24, n_heads: int = 4,
-                 hidden: int = 36, n_layers: int = 2):
+                 n_kv_heads: int = 2, hidden: int = 36, n_layers: int = 2):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(_LlamaBlock(dim, n_heads, hidden)
+        self.layers = nn.ModuleList(_LlamaBlock(dim, n_heads, n_kv_heads, hidden)
                                     for _ in range(n_layers))
         self.final_norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
@@ -324,12 +334,16 @@ SHARDED = ("attention.q_proj", "attention.k_proj", "attention.v_proj",
            "feed_forward.down")
 
 
+def _short(op) -> str:
+    """'all_gather' for c10d_functional.all_gather_into_tensor and its kin."""
+    return str(op).split(".")[-1].replace("_into_tensor", "").replace(
+        "_tensor", "").replace("_base", "")
+
+
 def _counts(mode) -> dict[str, int]:
     short: dict[str, int] = {}
     for op, n in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1].replace("_into_tensor", "").replace(
-            "_tensor", "").replace("_base", "")
-        short[name] = short.get(name, 0) + n
+        short[_short(op)] = short.get(_short(op), 0) + n
     return short
 
 
@@ -337,6 +351,21 @@ def _full(t):
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _block_counts(mode) -> dict[str, dict[str, int]]:
+    """Collectives inside the blocks (modules named ``layers.<i>``), per pass."""
+    total = {"forward": dict.fromkeys(COLLECTIVES, 0),
+             "backward": dict.fromkeys(COLLECTIVES, 0)}
+    for fqn, passes in mode.comm_module_counts.items():
+        if not re.search(r"(^|\.)layers\.\d+$", fqn):
+            continue
+        for which in total:
+            for op, n in passes.get(which, {}).items():
+                name = _short(op)
+                if name in total[which]:
+                    total[which][name] += n
+    return total
 
 
 def _plan_rank(rank: int, world_size: int, fns: list, seed: int = 0) -> list:
@@ -371,26 +400,60 @@ def _plan_rank(rank: int, world_size: int, fns: list, seed: int = 0) -> list:
                         sharded[f"layers.{i}.{name}"] = (
                             isinstance(p, DTensor)
                             and p.to_local().numel() < p.numel())
-                with CommDebugMode() as fwd:
+                with CommDebugMode() as step:
                     logits = model(tokens)
-                logits = _full(logits)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                with CommDebugMode() as bwd:
-                    loss.backward()
-                diffs = {}
-                for n, p in params.items():
-                    grad = None if p.grad is None else _full(p.grad)
-                    diffs[n] = (float("inf") if grad is None or grad.shape
-                                != ref_grads[n].shape else
-                                (grad - ref_grads[n]).abs().max().item())
-                per_mode[sp] = {"loss": loss.item(), "ref_loss": ref_loss.item(),
-                                "forward": _counts(fwd), "backward": _counts(bwd),
-                                "sharded": sharded, "grad_diffs": diffs,
-                                "layers": len(model.layers)}
+                    kind = type(logits).__name__
+                    shape = tuple(logits.shape)
+                    local = tuple(logits.to_local().shape) if isinstance(
+                        logits, DTensor) else shape
+                    loss = None
+                    if local[-1] == ref.output.out_features:
+                        loss = F.cross_entropy(_full(logits).flatten(0, 1),
+                                               targets.flatten())
+                        loss.backward()
+                r = {"kind": kind, "is_dtensor": isinstance(logits, DTensor),
+                     "shape": shape, "local_shape": local, "sharded": sharded,
+                     "layers": len(model.layers),
+                     "ref_loss": ref_loss.item(), "blocks": _block_counts(step)}
+                if loss is not None:
+                    r["loss"] = loss.item()
+                    r["grad_diffs"] = {
+                        n: (float("inf") if p.grad is None
+                            or _full(p.grad).shape != ref_grads[n].shape else
+                            (_full(p.grad) - ref_grads[n]).abs().max().item())
+                        for n, p in params.items()}
+                per_mode[sp] = r
             except Exception as e:
                 per_mode[sp] = {"error": _error(e)}
         results.append(per_mode)
     return results
+
+
+def _error_hint(err: str, sp: bool, other_ran: bool) -> str:
+    """The hint for an error, from what the answer did in the other mode too."""
+    if "batch_size" in err:
+        return ("under sequence parallelism the embedding must return sequence "
+                "shards: RowwiseParallel(input_layouts=Replicate(), "
+                "output_layouts=Shard(1)) on tok_embeddings, so that the norms get "
+                "what SequenceParallel expects")
+    shape_error = any(k in err for k in ("mat1 and mat2", "size of tensor a",
+                                         "reduction dim", "shape", "invalid for "))
+    if shape_error and sp and other_ran:
+        return ("your plan runs without sequence parallelism, so its pairing is "
+                "right; under SP attention and the feed-forward still need the whole "
+                "sequence: PrepareModuleInput from Shard(1) to Replicate() on each "
+                "gathers it once")
+    if shape_error:
+        return ("a row-parallel layer takes the column-parallel output as it is "
+                "(sharded on the last dimension): pair ColwiseParallel on q, k, v, "
+                "gate and up with RowwiseParallel on out_proj and down")
+    if "mixed torch.Tensor and DTensor" in err:
+        return ("a DTensor met a plain tensor: every linear on the way needs a "
+                "style, and under SP the sequence must be gathered before a "
+                "replicated input")
+    return ("the error above came from running the model after your plan: read "
+            "its last line, then compare your plan with the chapter's "
+            "parallelize_gpt")
 
 
 def judge_plan(per_mode: dict) -> None:
@@ -400,33 +463,27 @@ def judge_plan(per_mode: dict) -> None:
         r = per_mode[sp]
         mode = f"sequence_parallel={sp}"
         if "error" in r:
-            err = r["error"]
-            if "batch_size" in err:
-                hint = ("under sequence parallelism the embedding must return "
-                        "sequence shards: RowwiseParallel(input_layouts=Replicate(), "
-                        "output_layouts=Shard(1)) on tok_embeddings, so that the "
-                        "norms get what SequenceParallel expects")
-            elif any(k in err for k in ("mat1 and mat2", "size of tensor a",
-                                        "reduction dim", "shape")):
-                hint = ("a row-parallel layer takes the column-parallel output as "
-                        "it is (sharded on the last dimension): pair ColwiseParallel "
-                        "on q, k, v, gate and up with RowwiseParallel on out_proj "
-                        "and down")
-            elif "mixed torch.Tensor and DTensor" in err:
-                hint = ("a DTensor met a plain tensor: every linear on the way "
-                        "needs a style, and under SP the sequence must be gathered "
-                        "before a replicated input")
-            else:
-                hint = "fix that error and run the exercise cell again"
-            fail(ex, f"the plan to run ({mode})", err, hint)
+            fail(ex, f"the plan to run ({mode})", r["error"],
+                 _error_hint(r["error"], sp, "error" not in per_mode[not sp]))
         flat = [n for n, ok in r["sharded"].items() if not ok]
         if flat:
             fail(ex, f"every linear inside the blocks sharded ({mode})",
                  f"{flat[0]}.weight is a full copy on every rank"
                  + (f" (and {len(flat) - 1} more)" if len(flat) > 1 else ""),
                  "give it a ColwiseParallel or RowwiseParallel style in the plan")
+        vocab = LlamaLike().output.out_features
+        if r["local_shape"][-1] != vocab:
+            fail(ex, f"full logits, (batch, seq, {vocab}), on every rank ({mode})",
+                 f"logits of local shape {r['local_shape']}",
+                 "the output layer returned this rank's slice of the vocabulary: "
+                 "ColwiseParallel(output_layouts=Replicate()) on the output layer "
+                 "gathers the full logits")
+        if r["is_dtensor"]:
+            fail(ex, f"the logits as a plain torch.Tensor ({mode})",
+                 f"a {r['kind']} of placements you would have to unwrap",
+                 "keep use_local_output=True (the default) on the output layer, so "
+                 "that the model returns a plain tensor")
         n = r["layers"]
-        fwd = {c: r["forward"].get(c, 0) for c in COLLECTIVES}
         if abs(r["loss"] - r["ref_loss"]) > 1e-5:
             fail(ex, f"the loss of one process, {r['ref_loss']:.6f} ({mode})",
                  f"{r['loss']:.6f}",
@@ -447,37 +504,57 @@ def judge_plan(per_mode: dict) -> None:
                  "gradient is a share: mark the norms SequenceParallel() so that "
                  "DTensor sums it" if norms and sp else
                  "compare your plan with the chapter's parallelize_gpt")
+        fwd, bwd = r["blocks"]["forward"], r["blocks"]["backward"]
         if not sp:
-            if fwd["all_gather"] > 1 or fwd["reduce_scatter"]:
+            if fwd["all_gather"] or fwd["reduce_scatter"]:
                 fail(ex, f"no all-gather inside the blocks ({mode})",
                      f"{fwd['all_gather']} all-gathers and {fwd['reduce_scatter']} "
-                     "reduce-scatters in the forward",
+                     f"reduce-scatters in the {n} blocks' forward",
                      "a column-parallel layer should hand its sharded output to a "
                      "row-parallel one, not gather it: RowwiseParallel on out_proj "
                      "and down, default outputs on the others")
-            if fwd["all_reduce"] not in (2 * n, 2 * n + 1):
-                fail(ex, f"one all-reduce per attention and per feed-forward, "
-                     f"{2 * n} (+1 for the embedding) ({mode})",
-                     f"{fwd['all_reduce']} all-reduces in the forward",
+            if fwd["all_reduce"] != 2 * n:
+                fail(ex, f"one all-reduce per attention and per feed-forward in the "
+                     f"forward, {2 * n} in {n} blocks ({mode})",
+                     f"{fwd['all_reduce']}",
                      "each sublayer is one column-parallel step and one "
                      "row-parallel step")
+            if bwd["all_reduce"] != 2 * n or bwd["all_gather"] or bwd[
+                    "reduce_scatter"]:
+                fail(ex, f"one all-reduce per attention and per feed-forward in the "
+                     f"backward, {2 * n} in {n} blocks ({mode})",
+                     f"{bwd['all_reduce']} all-reduces, {bwd['all_gather']} "
+                     f"all-gathers, {bwd['reduce_scatter']} reduce-scatters",
+                     "each column-parallel linear that turns a plain input into a "
+                     "DTensor all-reduces that input's gradient on its own (q, k, v: "
+                     "three). Hand attention and the feed-forward one replicated "
+                     "DTensor instead (PrepareModuleInput with desired "
+                     "Replicate(), keeping the DTensor): their gradients then add "
+                     "up locally and one all-reduce closes the sublayer"
+                     if bwd["all_reduce"] > 2 * n else
+                     "every column-parallel linear's input gradient must be summed "
+                     "over the ranks once")
         else:
-            if fwd["all_reduce"]:
-                fail(ex, f"no all-reduce in the forward ({mode})",
-                     f"{fwd['all_reduce']} all-reduces",
+            if fwd["all_reduce"] or bwd["all_reduce"]:
+                fail(ex, f"no all-reduce inside the blocks ({mode})",
+                     f"{fwd['all_reduce']} in the forward, {bwd['all_reduce']} in "
+                     "the backward",
                      "with sequence parallelism the row-parallel layers return "
                      "sequence shards (output_layouts=Shard(1)), a reduce-scatter "
                      "instead of an all-reduce")
-            if fwd["reduce_scatter"] not in (2 * n, 2 * n + 1):
+            if fwd["reduce_scatter"] != 2 * n:
                 fail(ex, f"one reduce-scatter per attention and per feed-forward, "
-                     f"{2 * n} (+1 for the embedding) ({mode})",
+                     f"{2 * n} in {n} blocks ({mode})",
                      f"{fwd['reduce_scatter']} reduce-scatters in the forward",
                      "RowwiseParallel(output_layouts=Shard(1)) on out_proj and down")
-            if fwd["all_gather"] > 2 * n + 2:
-                fail(ex, f"at most {2 * n + 2} all-gathers in the forward ({mode})",
-                     f"{fwd['all_gather']}",
+            if fwd["all_gather"] != 2 * n or bwd["reduce_scatter"] != 2 * n:
+                fail(ex, f"one all-gather per sublayer in the forward and one "
+                     f"reduce-scatter per sublayer in the backward, {2 * n} each "
+                     f"in {n} blocks ({mode})",
+                     f"{fwd['all_gather']} all-gathers forward, "
+                     f"{bwd['reduce_scatter']} reduce-scatters backward",
                      "gather the sequence once before attention and once before "
-                     "the feed-forward, not once per linear")
+                     "the feed-forward (PrepareModuleInput), not once per linear")
 
 
 def _check_plan_answers(fns: list) -> list[dict]:
@@ -491,59 +568,14 @@ def check_parallelize_plan(parallelize_llama: Callable) -> None:
     require_solution(ex, parallelize_llama)
     judge_plan(_check_plan_answers([parallelize_llama])[0])
     passed(ex, "TP and TP+SP on 2 ranks: loss and gradients equal to one process, "
-               "every linear sharded, one collective per sublayer in the forward.")
+               "every linear sharded, one collective per sublayer each way.")
 
 
 # ---------------------------------------------------------------- exercise 10.3
 
-class _Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False)
-                                              for _ in range(4))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class _Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = _Attention(dim, n_heads)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
-                                 nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class _GPT(nn.Module):
-    """The chapter's GPT (section 3), for measuring the real counts."""
-
-    def __init__(self, n_layers: int, vocab: int = 64, dim: int = 32,
-                 n_heads: int = 4):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(_Block(dim, n_heads) for _ in range(n_layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
-
-
-def _parallelize_gpt(model, mesh, sequence_parallel: bool, loss_parallel: bool):
-    """The chapter's ``parallelize_gpt``."""
+def _parallelize_per_linear(model, mesh, sequence_parallel: bool,
+                            loss_parallel: bool):
+    """Section 3's plan on the Llama-style model: one style per linear."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -555,25 +587,26 @@ def _parallelize_gpt(model, mesh, sequence_parallel: bool, loss_parallel: bool):
 
     seq = Shard(1)
     between = seq if sequence_parallel else Replicate()
-    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=between),
-            "mlp.0": ColwiseParallel(),
-            "mlp.2": RowwiseParallel(output_layouts=between)}
+    plan = {name: ColwiseParallel() for name in (
+        "attention.q_proj", "attention.k_proj", "attention.v_proj",
+        "feed_forward.gate", "feed_forward.up")}
+    plan |= {"attention.out_proj": RowwiseParallel(output_layouts=between),
+             "feed_forward.down": RowwiseParallel(output_layouts=between)}
     if sequence_parallel:
         gather = PrepareModuleInput(input_layouts=(seq,),
                                     desired_input_layouts=(Replicate(),))
-        plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
-                 "attn": gather, "mlp": gather}
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                 "attention": gather, "feed_forward": gather}
     for layer in model.layers:
         parallelize_module(layer, mesh, plan)
-    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-           "head": ColwiseParallel(
+    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                             output_layouts=between),
+           "output": ColwiseParallel(
                input_layouts=between,
                output_layouts=Shard(-1) if loss_parallel else Replicate(),
                use_local_output=not loss_parallel)}
     if sequence_parallel:
-        top["norm"] = SequenceParallel()
+        top["final_norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     return model
 
@@ -589,13 +622,13 @@ def _counts_rank(rank: int, world_size: int) -> dict:
 
     warnings.filterwarnings("ignore", message=".*Full backward hook")
     mesh = init_device_mesh("cpu", (world_size,))
-    tokens, targets = torch.randint(0, 64, (2, 1, 4),
+    tokens, targets = torch.randint(0, 40, (2, 1, 4),
                                     generator=torch.Generator().manual_seed(0))
     measured = {}
     for depth in DEPTHS:
         for sp, lp in MODES:
             torch.manual_seed(0)
-            model = _parallelize_gpt(_GPT(depth), mesh, sp, lp)
+            model = _parallelize_per_linear(LlamaLike(n_layers=depth), mesh, sp, lp)
             with CommDebugMode() as step:
                 with CommDebugMode() as fwd:
                     logits = model(tokens)
@@ -632,44 +665,79 @@ def _as_counts(ex: str, got, case: str) -> dict[str, int]:
     return counts
 
 
+def _counts_hint(got: dict, depth: int, sp: bool, lp: bool, measured: dict,
+                 answers: dict) -> str:
+    """The mistake behind a wrong prediction, judged from what it predicted."""
+    def want(d=depth, s=sp, p=lp):
+        step = measured[(d, s, p)][0] if d in DEPTHS else None
+        return None if step is None else {c: step.get(c, 0) for c in COLLECTIVES}
+
+    right = want()
+    per_block = {c: (want(DEPTHS[1])[c] - want(DEPTHS[0])[c])
+                 // (DEPTHS[1] - DEPTHS[0]) for c in COLLECTIVES}
+    if all(answers[(d, sp, lp)] == got for d in DEPTHS):
+        return ("the same counts at every depth: each block adds its own "
+                "collectives, so the counts grow with n_layers")
+    if got == {c: right[c] + per_block[c] for c in COLLECTIVES}:
+        return ("one block too many: the step has n_layers blocks, plus the "
+                "embedding and the output layer once each")
+    if got == {c: right[c] - per_block[c] for c in COLLECTIVES}:
+        return ("one block too few: each of the n_layers blocks has its own "
+                "collectives")
+    if got == {c: 2 * right[c] for c in COLLECTIVES}:
+        return ("twice the count: CommDebugMode counts what one rank calls, and "
+                "every rank calls each collective once (a collective is one call "
+                "per rank, not one per pair of ranks)")
+    if got == {c: measured[(depth, sp, lp)][1].get(c, 0) for c in COLLECTIVES}:
+        return ("those are the forward's collectives only: the backward has its own "
+                "(each column-parallel input's gradient, and under SP each "
+                "all-gather's reduce-scatter and the reverse)")
+    if lp and got["all_gather"] > right["all_gather"]:
+        return ("loss_parallel keeps the logits sharded by vocabulary: no "
+                "all-gather of the logits, and three small all-reduces in the "
+                "cross-entropy")
+    if not lp and got["all_reduce"] == right["all_reduce"] + 3:
+        return "loss_parallel's three all-reduces only come with loss_parallel"
+    if lp and got["all_reduce"] == right["all_reduce"] - 3:
+        return ("loss_parallel computes the cross-entropy on vocabulary shards: "
+                "three small all-reduces (maximum, sum of exponentials, target "
+                "logit)")
+    if not sp and got["all_reduce"] == right["all_reduce"] - depth:
+        return ("the feed-forward has two column-parallel linears here, gate and "
+                "up, and attention three: each all-reduces its input's gradient in "
+                "the backward")
+    if not sp and got["all_reduce"] < right["all_reduce"]:
+        return ("q, k, v, gate and up are separate column-parallel linears, each "
+                "turning the plain input into its own DTensor: each all-reduces "
+                "that input's gradient in the backward (five per block)")
+    if sp and got["reduce_scatter"] > right["reduce_scatter"]:
+        return ("under SP the all-reduces do not each become a reduce-scatter and "
+                "an all-gather: the gathered input of attention (and of the "
+                "feed-forward) is one DTensor, so q's, k's and v's gradients add up "
+                "locally and one reduce-scatter closes the sublayer")
+    if sp and got["all_reduce"] > right["all_reduce"]:
+        return ("under sequence parallelism no all-reduce is left in the blocks: "
+                "every row-parallel output is a reduce-scatter")
+    if sum(got.values()) == sum(right.values()):
+        return "the right total, in the wrong kinds: which collective is each?"
+    return "count the forward's collectives, then what each becomes backward"
+
+
 def check_predicted_counts(predict_collectives: Callable) -> None:
     """Exercise 10.3: collectives per training step, predicted, then measured."""
     ex = "10.3"
     require_solution(ex, predict_collectives)
     measured = measured_counts()
-    for (depth, sp, lp), (step, forward) in measured.items():
-        case = (f"n_layers={depth}, sequence_parallel={sp}, loss_parallel={lp}")
-        got = _as_counts(ex, call_learner(ex, predict_collectives, depth, sp, lp),
-                         case)
-        want = {c: step.get(c, 0) for c in COLLECTIVES}
-        if got == want:
-            continue
-        fwd = {c: forward.get(c, 0) for c in COLLECTIVES}
-        hint = "count the forward's collectives, then what each becomes backward"
-        if got == fwd:
-            hint = ("those are the forward's collectives only: the backward has its "
-                    "own (the f operators' all-reduces, and under SP each "
-                    "all-gather's reduce-scatter and the reverse)")
-        elif any(got == {c: measured[(d, sp, lp)][0].get(c, 0) for c in COLLECTIVES}
-                 for d in DEPTHS if d != depth) or got == {
-                     "all_reduce": 14, "all_gather": 1, "reduce_scatter": 0}:
-            hint = ("the same counts at every depth: each block adds its own "
-                    "collectives, so the counts grow with n_layers")
-        elif not sp and got["all_reduce"] == want["all_reduce"] - 2 * depth:
-            hint = ("wq, wk and wv are three separate column-parallel linears "
-                    "here: each all-reduces its input's gradient in backward")
-        elif sp and got["all_reduce"] > want["all_reduce"]:
-            hint = ("under sequence parallelism each all-reduce became a "
-                    "reduce-scatter plus an all-gather")
-        elif lp and got["all_gather"] > want["all_gather"]:
-            hint = ("loss_parallel keeps the logits sharded by vocabulary: no "
-                    "all-gather of the logits, and three small all-reduces in the "
-                    "cross-entropy")
-        elif not lp and got["all_reduce"] > want["all_reduce"] and not sp:
-            hint = "loss_parallel's three all-reduces only come with loss_parallel"
-        elif got["all_reduce"] + got["all_gather"] + got["reduce_scatter"] == sum(
-                want.values()) and got != want:
-            hint = "the right total, in the wrong kinds: which collective is each?"
-        fail(ex, f"{want} ({case}, measured on 2 ranks)", f"{got}", hint)
+    answers = {}
+    for depth, sp, lp in measured:
+        case = f"n_layers={depth}, sequence_parallel={sp}, loss_parallel={lp}"
+        answers[(depth, sp, lp)] = _as_counts(
+            ex, call_learner(ex, predict_collectives, depth, sp, lp), case)
+    for (depth, sp, lp), (step, _) in measured.items():
+        case = f"n_layers={depth}, sequence_parallel={sp}, loss_parallel={lp}"
+        got, want = answers[(depth, sp, lp)], {c: step.get(c, 0) for c in COLLECTIVES}
+        if got != want:
+            fail(ex, f"{want} ({case}, measured on 2 ranks)", f"{got}",
+                 _counts_hint(got, depth, sp, lp, measured, answers))
     passed(ex, f"{len(measured)} configurations at depths {DEPTHS}: every count "
                "predicted.")
