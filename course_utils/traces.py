@@ -6,8 +6,8 @@ the same clock, so the ranks' events can be put side by side: ``merge_traces``
 loads the files, names each process ``rank r`` (its ``pid`` becomes the rank)
 and aligns the times on the earliest base time. The result opens in Perfetto
 (https://ui.perfetto.dev) or ``chrome://tracing`` once written with
-``save_trace``, and ``spans`` reads complete events ("ph": "X") back as
-``Span`` tuples with times in microseconds.
+``save_trace``, and ``spans`` reads its spans back (complete "X" events and
+"B"/"E" pairs) as ``Span`` tuples with times in microseconds.
 """
 
 from __future__ import annotations
@@ -82,22 +82,40 @@ def save_trace(events: list[dict], path: str | Path) -> Path:
 
 def spans(events: Iterable[dict], name: str | None = None, rank: int | None = None,
           pattern: str | None = None) -> list[Span]:
-    """Complete events (``"ph": "X"``) as ``Span`` tuples, sorted by start.
+    """Spans of a trace as ``Span`` tuples, sorted by start.
 
-    ``name`` keeps events of exactly that name, ``pattern`` those whose name
-    matches the regular expression (``re.search``), ``rank`` one rank's.
+    A span is a complete event (``"ph": "X"``, from ``ts`` to ``ts + dur``) or
+    a begin event (``"ph": "B"``) with the end event (``"ph": "E"``) of the
+    same process and thread that closes it: B/E pairs nest like brackets, and
+    an E event need not repeat the name. ``name`` keeps spans of exactly that
+    name, ``pattern`` those whose name matches the regular expression
+    (``re.search``), ``rank`` one rank's.
     """
     found = []
+    open_spans: dict[tuple, list[dict]] = {}
     for e in events:
-        if e.get("ph") != "X" or "ts" not in e:
+        ph = e.get("ph")
+        if "ts" not in e or ph not in ("X", "B", "E"):
             continue
+        thread = (e.get("pid", 0), e.get("tid", 0))
+        if ph == "B":
+            open_spans.setdefault(thread, []).append(e)
+            continue
+        if ph == "E":
+            if not open_spans.get(thread):
+                continue  # an end whose begin was cut off
+            begin = open_spans[thread].pop()
+            start, end = float(begin["ts"]), float(e["ts"])
+            e = begin
+        else:
+            start = float(e["ts"])
+            end = start + float(e.get("dur", 0.0))
         if name is not None and e.get("name") != name:
             continue
         if pattern is not None and not re.search(pattern, e.get("name", "")):
             continue
         if rank is not None and e.get("pid") != rank:
             continue
-        start = float(e["ts"])
-        found.append(Span(int(e.get("pid", 0)), e.get("name", ""), start,
-                          start + float(e.get("dur", 0.0)), e.get("tid", 0)))
+        found.append(Span(int(e.get("pid", 0)), e.get("name", ""), start, end,
+                          e.get("tid", 0)))
     return sorted(found, key=lambda s: (s.start, s.rank))

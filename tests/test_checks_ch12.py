@@ -87,7 +87,21 @@ def real_dumps():
 # ---------------------------------------------------------------- 12.1
 
 
-def hidden_solution(events, comm="gloo:all_reduce", compute="backward"):
+def complete_events(events):
+    """B/E pairs turned into X events (a stack per pid and tid), X kept."""
+    out, open_spans = [], defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            out.append(e)
+        elif e.get("ph") == "B":
+            open_spans[e["pid"], e.get("tid")].append(e)
+        elif e.get("ph") == "E" and open_spans[e["pid"], e.get("tid")]:
+            b = open_spans[e["pid"], e.get("tid")].pop()
+            out.append(dict(b, ph="X", dur=e["ts"] - b["ts"]))
+    return out
+
+
+def hidden_x_only(events, comm="gloo:all_reduce", compute="backward"):
     """Cut each rank's time line at every span edge; add up the pieces."""
     ranks = {}
     for e in events:
@@ -107,14 +121,29 @@ def hidden_solution(events, comm="gloo:all_reduce", compute="backward"):
     return both_time / talk_time if talk_time else 0.0
 
 
+def hidden_solution(events, comm="gloo:all_reduce", compute="backward"):
+    return hidden_x_only(complete_events(events), comm, compute)
+
+
 def hidden_sweep(events, comm="gloo:all_reduce", compute="backward"):
     """A sweep over the start and end points of every span, per rank."""
-    points = defaultdict(list)
+    points, stacks = defaultdict(list), defaultdict(list)
     for e in events:
-        if e.get("ph") != "X" or e.get("name") not in (comm, compute):
+        ph, thread = e.get("ph"), (e.get("pid"), e.get("tid"))
+        if ph == "B":
+            stacks[thread].append(e)
             continue
-        kind = 0 if e["name"] == comm else 1
-        points[e["pid"]] += [(e["ts"], kind, +1), (e["ts"] + e["dur"], kind, -1)]
+        if ph == "E" and stacks[thread]:
+            b = stacks[thread].pop()
+            name, start, end = b.get("name"), b["ts"], e["ts"]
+        elif ph == "X":
+            name, start, end = e.get("name"), e["ts"], e["ts"] + e["dur"]
+        else:
+            continue
+        if name not in (comm, compute):
+            continue
+        kind = 0 if name == comm else 1
+        points[e["pid"]] += [(start, kind, +1), (end, kind, -1)]
     total = hidden = 0.0
     for pts in points.values():
         pts.sort(key=lambda p: (p[0], p[2]))
@@ -130,7 +159,7 @@ def hidden_sweep(events, comm="gloo:all_reduce", compute="backward"):
 
 
 def hidden_with_helper(events, comm="gloo:all_reduce", compute="backward"):
-    """Uses course_utils.traces.spans and numpy for the union."""
+    """Uses course_utils.traces.spans (X and B/E) and numpy for the union."""
     def union(spans):
         out = []
         for s in sorted(spans, key=lambda s: s.start):
@@ -165,8 +194,9 @@ def hidden_microseconds(events, comm="gloo:all_reduce", compute="backward"):
     """Integer nanosecond grid with extra validation: the same fraction."""
     for e in events:
         assert isinstance(e, dict)
-    scaled = [dict(e, ts=round(e["ts"] * 1000), dur=round(e["dur"] * 1000))
-              if e.get("ph") == "X" else e for e in events]
+    scaled = [dict(e, ts=round(e["ts"] * 1000),
+                   **({"dur": round(e["dur"] * 1000)} if "dur" in e else {}))
+              if "ts" in e else e for e in events]
     return hidden_solution(scaled, comm, compute)
 
 
@@ -217,6 +247,26 @@ def _times(events, comm, compute):
 
 
 def test_wrong_hidden_fraction_fail(real_trace):
+    def two_ranks(events, comm="gloo:all_reduce", compute="backward"):
+        return hidden_solution([e for e in events if e.get("pid") in (0, 1)],
+                               comm, compute)
+
+    def stack_per_rank(events, comm="gloo:all_reduce", compute="backward"):
+        return hidden_solution([dict(e, tid=0) if e.get("ph") in "BE" else e
+                                for e in events], comm, compute)
+
+    def e_by_name(events, comm="gloo:all_reduce", compute="backward"):
+        opened, out = {}, []
+        for e in events:
+            if e.get("ph") == "B":
+                opened[e["pid"], e["name"]] = e
+            elif e.get("ph") == "E" and (e["pid"], e.get("name")) in opened:
+                b = opened.pop((e["pid"], e["name"]))
+                out.append(dict(b, ph="X", dur=e["ts"] - b["ts"]))
+            else:
+                out.append(e)
+        return hidden_x_only(out, comm, compute)
+
     def no_union(events, comm="gloo:all_reduce", compute="backward"):
         return _sum_durations(events, comm, compute)
 
@@ -261,8 +311,8 @@ def test_wrong_hidden_fraction_fail(real_trace):
 
     def unsorted_union(events, comm="gloo:all_reduce", compute="backward"):
         per = defaultdict(lambda: {comm: [], compute: []})
-        for e in events:
-            if e.get("ph") == "X" and e.get("name") in (comm, compute):
+        for e in complete_events(events):
+            if e.get("name") in (comm, compute):
                 per[e["pid"]][e["name"]].append([e["ts"], e["ts"] + e["dur"]])
         total = hidden = 0.0
         for spans in per.values():
@@ -285,6 +335,8 @@ def test_wrong_hidden_fraction_fail(real_trace):
         (constant, "expected"), (divides_by_zero, "0.0"),
         (fixed_names, "names passed"), (time_not_fraction, "between 0 and 1"),
         (all_or_nothing, "part of each all-reduce"), (unsorted_union, "sort"),
+        (hidden_x_only, "'B' (begin)"), (two_ranks, "not ranks 0 and 1"),
+        (stack_per_rank, "AND tid"), (e_by_name, "'B'"),
     ]
     for fn, word in cases:
         fails(ch12.check_hidden_fraction, fn, real_trace, words=(word,))
@@ -455,6 +507,23 @@ def test_wrong_first_mismatch_fail(real_dumps):
     def never(dumps):
         return None
 
+    def rank0_list(dumps):
+        by = {r: {e["collective_seq_id"]: e for e in es if not e["is_p2p"]}
+              for r, es in dumps.items()}
+        start = max(min(d) for d in by.values())
+        for seq in sorted(s for s in by[0] if s >= start):
+            entries = {r: d.get(seq) for r, d in by.items()}
+            if len({None if e is None else (e["profiling_name"],
+                                            str(e["input_sizes"]))
+                    for e in entries.values()}) > 1:
+                return seq, entries
+        return None
+
+    def element_count(dumps):
+        return mismatch_solution({r: [dict(e, input_sizes=[[int(np.prod(
+            e["input_sizes"][0]))]] if e["input_sizes"] else []) for e in es]
+            for r, es in dumps.items()})
+
     cases = [
         (by_position, "sequence number"), (names_only, "sizes"),
         (two_ranks, "every rank"), (common_only, "never joined"),
@@ -462,6 +531,7 @@ def test_wrong_first_mismatch_fail(real_dumps):
         (last_one, "sequence number"), (only_bad_ranks, "every rank"),
         (names_not_entries, "entry itself"), (seq_only, "(seq, {rank"),
         (never, "a mismatch at sequence number"),
+        (rank0_list, "not only those of rank 0"), (element_count, "element count"),
     ]
     for fn, word in cases:
         fails(ch12.check_first_mismatch, fn, real_dumps, words=(word,))
@@ -671,6 +741,29 @@ def test_wrong_resume_fail():
         scheduler.load_state_dict(state["scheduler"])
         return state["step"]
 
+    def save_numbered(ckpt_dir, step, model, optimizer, scheduler):
+        save_solution(ckpt_dir, step, model, optimizer, scheduler)
+
+    def load_newest_folder(ckpt_dir, model, optimizer, scheduler):
+        found = [int(d[4:]) for d in os.listdir(ckpt_dir) if d.startswith("step")]
+        if not found:
+            return 0
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state,
+                 "scheduler": scheduler.state_dict(), "step": 0}
+        dcp.load(state, checkpoint_id=f"{ckpt_dir}/step{max(found)}")  # complete?
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        scheduler.load_state_dict(state["scheduler"])
+        return state["step"]
+
+    def save_latest_first(ckpt_dir, step, model, optimizer, scheduler):
+        _write_latest(ckpt_dir, step)  # names the checkpoint before it exists
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state,
+                  "scheduler": scheduler.state_dict(), "step": step},
+                 checkpoint_id=f"{ckpt_dir}/step{step}")
+
     def load_first_checkpoint(ckpt_dir, model, optimizer, scheduler):
         if not os.path.exists(f"{ckpt_dir}/step3"):
             return 0
@@ -687,13 +780,15 @@ def test_wrong_resume_fail():
         (save_solution, from_scratch, "from the beginning"),
         (save_model_only, load_model_only, "Adam's moments"),
         (save_no_scheduler, load_no_scheduler, "scheduler"),
-        (save_solution, load_newest_by_name, "by number"),
+        (save_solution, load_newest_by_name, ".metadata"),
         (save_solution, load_off_by_one, "return the number of steps"),
         (save_plain_optimizer, load_plain_optimizer, "Adam's moments"),
         (save_steps_scheduler, load_solution, "modify"),
         (save_solution, load_returns_nothing, "return an int"),
         (save_solution, load_weights_not_set, "weights were not"),
         (save_solution, load_first_checkpoint, "weights were not"),
+        (save_numbered, load_newest_folder, "no .metadata"),
+        (save_latest_first, load_solution, "no .metadata"),
     ]
     for save, load, word in cases:
         fails(ch12.check_resume, save, load, words=(word,))

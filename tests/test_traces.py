@@ -47,6 +47,25 @@ def test_spans_keep_only_complete_events_sorted():
     assert found[0].thread == "PyTorch Profiler"
 
 
+def test_spans_pair_begin_and_end_events_per_thread():
+    events = [{"ph": "B", "name": "backward", "pid": 0, "tid": 1, "ts": 0.0},
+              {"ph": "B", "name": "mm", "pid": 0, "tid": 1, "ts": 10.0},
+              {"ph": "E", "pid": 0, "tid": 1, "ts": 20.0},  # closes mm, no name
+              {"ph": "B", "name": "optimizer", "pid": 0, "tid": 2, "ts": 30.0},
+              {"ph": "E", "pid": 0, "tid": 1, "ts": 100.0},  # closes backward
+              {"ph": "E", "pid": 0, "tid": 2, "ts": 120.0},
+              {"ph": "E", "pid": 1, "tid": 1, "ts": 5.0},  # its begin was cut off
+              {"ph": "B", "name": "backward", "pid": 1, "tid": 1, "ts": 50.0},
+              {"ph": "X", "name": "backward", "pid": 1, "tid": 3, "ts": 7.0,
+               "dur": 3.0}]
+    found = traces.spans(events)
+    assert [(s.rank, s.name, s.start, s.end) for s in found] == [
+        (0, "backward", 0.0, 100.0), (1, "backward", 7.0, 10.0),
+        (0, "mm", 10.0, 20.0), (0, "optimizer", 30.0, 120.0)]
+    assert [s.thread for s in traces.spans(events, name="optimizer")] == [2]
+    assert traces.spans(events, name="backward", rank=1)[0].duration == 3.0
+
+
 def test_real_profiler_traces_merge_and_save(tmp_path):
     paths = {}
     for rank in range(2):

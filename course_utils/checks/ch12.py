@@ -19,8 +19,11 @@ import os
 import random
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -29,11 +32,38 @@ from course_utils.exercises import call_learner, fail, passed, require_solution
 
 # ---------------------------------------------------------------- exercise 12.1
 
+LIMIT_S = 20  # seconds the learner's function may take over all cases of a check
 
-def _union(intervals):
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Raise TimeoutError in this thread after ``seconds`` (main thread, POSIX)."""
+    usable = (hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+TOO_SLOW = {"took longer than": f"your function did not return within {LIMIT_S} s "
+                                "over all the cases: look for a loop that never ends"}
+
+
+def _union(intervals, sort=True):
     merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
+    for start, end in (sorted(intervals) if sort else intervals):
+        if merged and merged[-1][0] <= start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
@@ -44,33 +74,48 @@ def _overlap(a, b) -> float:
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
 
 
-def _spans_by_rank(events, name, exact=True, complete_only=True, by_rank=True):
+def _spans_by_rank(events, name, exact=True, begin_end=True, by_rank=True,
+                   stack_by_thread=True, ranks=None):
+    """{rank: [(start, end)]} of the spans called ``name``: X events, B/E pairs."""
     out: dict[int, list] = {}
+    stacks: dict[tuple, list] = {}
     for e in events:
-        if complete_only and e.get("ph") != "X":
+        ph, pid = e.get("ph"), e.get("pid", 0)
+        key = (pid, e.get("tid")) if stack_by_thread else pid
+        if ph == "B" and begin_end and "ts" in e:
+            stacks.setdefault(key, []).append(e)
             continue
-        if "ts" not in e or "dur" not in e:
+        if ph == "E" and begin_end and "ts" in e:
+            if not stacks.get(key):
+                continue
+            begin = stacks[key].pop()
+            n, start, end = begin.get("name", ""), float(begin["ts"]), float(e["ts"])
+        elif ph == "X" and "ts" in e and "dur" in e:
+            n, start = e.get("name", ""), float(e["ts"])
+            end = start + float(e["dur"])
+        else:
             continue
-        n = e.get("name", "")
         if (n != name) if exact else (name not in n):
             continue
-        rank = e.get("pid", 0) if by_rank else 0
-        start = float(e["ts"])
-        out.setdefault(rank, []).append((start, start + float(e["dur"])))
+        if ranks is not None and pid not in ranks:
+            continue
+        out.setdefault(pid if by_rank else 0, []).append((start, end))
     return out
 
 
 def hidden_reference(events, comm, compute, union_comm=True, union_compute=True,
-                     exact=True, complete_only=True, by_rank=True,
-                     per_compute=False) -> float:
+                     exact=True, begin_end=True, by_rank=True, per_compute=False,
+                     sort=True, stack_by_thread=True, ranks=None) -> float:
     """The fraction asked for; the keyword switches give typical mistakes."""
-    talk = _spans_by_rank(events, comm, exact, complete_only, by_rank)
-    work = _spans_by_rank(events, compute, exact, complete_only, by_rank)
+    kw = {"exact": exact, "begin_end": begin_end, "by_rank": by_rank,
+          "stack_by_thread": stack_by_thread, "ranks": ranks}
+    talk = _spans_by_rank(events, comm, **kw)
+    work = _spans_by_rank(events, compute, **kw)
     total = hidden = work_total = 0.0
     for rank, spans in talk.items():
-        t = _union(spans) if union_comm else spans
+        t = _union(spans, sort) if union_comm else spans
         w = work.get(rank, [])
-        w = _union(w) if union_compute else w
+        w = _union(w, sort) if union_compute else w
         total += sum(e - s for s, e in t)
         hidden += _overlap(t, w)
         work_total += sum(e - s for s, e in w)
@@ -82,6 +127,19 @@ def hidden_reference(events, comm, compute, union_comm=True, union_compute=True,
 def _x(rank, name, start, dur, tid=1):
     return {"ph": "X", "name": name, "pid": rank, "tid": tid, "ts": start, "dur": dur,
             "cat": "user_annotation"}
+
+
+def _b(rank, name, ts, tid=1):
+    return {"ph": "B", "name": name, "pid": rank, "tid": tid, "ts": ts}
+
+
+def _e(rank, ts, tid=1, name=None):  # Chrome traces may leave an E event unnamed
+    e = {"ph": "E", "pid": rank, "tid": tid, "ts": ts}
+    return dict(e, name=name) if name else e
+
+
+GENERIC_12_1 = ("per rank, take the union of the comm spans (sorted by start) and "
+                "its overlap with the union of the compute spans; divide by the union")
 
 
 def _trace_cases():
@@ -113,8 +171,8 @@ def _trace_cases():
           {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7,
            "args": {"name": "gloo"}},
           _x(0, ar, base + 90, 30, 7), _x(0, "gloo:all_reduce_coalesced", base, 5)],
-         ar, bw, "use only complete events ('ph' == 'X') whose name is exactly "
-         "`comm`; c10d::allreduce_ is the launch, not the communication"),
+         ar, bw, "use only spans whose name is exactly `comm`: c10d::allreduce_ is "
+         "the call, an instant event ('ph' 'i') has no duration"),
         ("no communication at all", [_x(0, bw, base, 100), _x(1, bw, base, 80)],
          ar, bw, "return 0.0 when there is no communication"),
         ("every all-reduce inside the backward, three ranks, two steps",
@@ -131,9 +189,26 @@ def _trace_cases():
          [_x(0, bw, base, 200), _x(0, ar, base + 150, 200, 7),
           _x(1, bw, base + 5, 100), _x(1, ar, base + 50, 300, 7)], ar, bw,
          "divide the hidden time by the communication time, not by the backward's"),
+        ("the backward written as begin (B) and end (E) events",
+         [_b(0, bw, base), _x(0, ar, base + 50, 100, 7), _e(0, base + 100)], ar, bw,
+         "a span is a complete event ('ph' 'X', ts to ts + dur) or a 'B' event and "
+         "the 'E' event of the same pid and tid that closes it"),
+        ("nested B/E spans on two threads of one rank, unnamed E events",
+         [_b(0, bw, base), _b(0, "AddmmBackward0", base + 10), _e(0, base + 20),
+          _b(0, "optimizer", base + 30, tid=2), _x(0, ar, base + 90, 40, 7),
+          _e(0, base + 100), _e(0, base + 120, tid=2),
+          _b(0, ar, base + 200, tid=8), _b(1, bw, base), _e(1, base + 50)], ar, bw,
+         "an 'E' event closes the latest open 'B' of the same pid and tid (they "
+         "nest like brackets); an 'E' need not carry a name; a 'B' never closed "
+         "is no span"),
+        ("ranks 0 to 3 in B/E events, ranks 2 and 3 start their all-reduce early",
+         [ev for r in range(4) for ev in (
+             _b(r, bw, base + 10 * r), _b(r, ar, base + 60 - 40 * (r >= 2), 6),
+             _e(r, base + 100 + 10 * r), _e(r, base + 150, 6))], ar, bw,
+         "count every rank in the trace (every pid), not a fixed number of them"),
     ]
     rng = random.Random(12)
-    for n_ranks in (2, 3):
+    for n_ranks in (3, 2):
         events = []
         for r in range(n_ranks):
             t = base + rng.uniform(0, 50)
@@ -146,22 +221,28 @@ def _trace_cases():
                 t += length + rng.uniform(20, 120)
         rng.shuffle(events)
         cases.append((f"random spans on {n_ranks} ranks, events in no order", events,
-                      ar, bw, "sort the spans of each rank before merging them"))
+                      ar, bw, GENERIC_12_1))
     return cases
 
 
 MISTAKES_12_1 = [
+    ({"begin_end": False}, "spans also come as a 'B' (begin) and an 'E' (end) "
+     "event: pair each 'E' with the latest open 'B' of the same pid and tid"),
+    ({"stack_by_thread": False}, "pair each 'E' with the latest open 'B' of the "
+     "same pid AND tid: two threads of one rank open and close spans in between"),
+    ({"ranks": (0, 1)}, "count every rank in the trace (every pid), not ranks 0 "
+     "and 1 only"),
     ({"union_comm": False}, "two all-reduces can run at once (gloo has two "
      "threads): count the time during which at least one runs - sort the spans "
      "by start and merge those that overlap - not the sum of their durations"),
+    ({"sort": False}, "sort each rank's spans by start before merging them: the "
+     "events of a trace come in no particular order"),
     ({"union_compute": False}, "overlapping backward spans count once: take the "
      "union of the compute spans too"),
     ({"by_rank": False}, "compare each rank's communication with its own "
      "backward (events of the same pid), not with any rank's"),
     ({"exact": False}, "match names exactly: `gloo:all_reduce_coalesced` or "
      "`c10d::allreduce_` are other events"),
-    ({"complete_only": False}, "only complete events ('ph' == 'X') have a "
-     "duration"),
     ({"per_compute": True}, "divide by the communication time, not by the "
      "compute time"),
 ]
@@ -179,6 +260,18 @@ def _comm_name(events) -> str:
     return "gloo:all_reduce"
 
 
+def _mistake_12_1(value, events, comm, compute, want, fallback, earlier) -> str:
+    """The hint of the first typical mistake that gives exactly this value here
+    and the right values on the ``earlier`` cases, which the answer got right."""
+    for kw, hint in MISTAKES_12_1:
+        wrong = hidden_reference(events, comm, compute, **kw)
+        if not _close(wrong, want) and _close(value, wrong) and all(
+                _close(hidden_reference(ev, c, w, **kw), hidden_reference(ev, c, w))
+                for _, ev, c, w, _ in earlier):
+            return hint
+    return fallback
+
+
 def check_hidden_fraction(hidden_fraction, real_events=None) -> None:
     """Exercise 12.1: the hidden share of communication time, from a merged trace."""
     ex = "12.1"
@@ -187,13 +280,17 @@ def check_hidden_fraction(hidden_fraction, real_events=None) -> None:
     if real_events:
         comm = _comm_name(real_events)
         cases.append(("the chapter's real merged trace", list(real_events), comm,
-                      "backward", "check it on the real trace: per rank, union of "
-                      "the comm spans, overlap with the union of the backward spans"))
-    for what, events, comm, compute, hint in cases:
-        copy = [dict(e) for e in events]
-        seen = call_learner(ex, hidden_fraction, copy, comm=comm, compute=compute,
-                            hints={"division by zero": "return 0.0 when there is no "
-                                   "communication at all"})
+                      "backward", "check it on the real trace: " + GENERIC_12_1))
+    seen_values = []
+    with _time_limit(LIMIT_S):
+        for _what, events, comm, compute, _ in cases:
+            copy = [dict(e) for e in events]
+            seen_values.append(call_learner(
+                ex, hidden_fraction, copy, comm=comm, compute=compute,
+                hints={"division by zero": "return 0.0 when there is no "
+                       "communication at all", **TOO_SLOW}))
+    for index, ((what, events, comm, compute, hint), seen) in enumerate(
+            zip(cases, seen_values, strict=True)):
         want = hidden_reference(events, comm, compute)
         try:
             value = float(seen)
@@ -201,13 +298,12 @@ def check_hidden_fraction(hidden_fraction, real_events=None) -> None:
             fail(ex, "a number between 0 and 1", f"{type(seen).__name__} {seen!r:.60}")
         if value != value or not 0.0 <= value <= 1.0 + 1e-9:
             fail(ex, f"a fraction between 0 and 1 ({what})", f"{value:.4g}",
-                 next((h for kw, h in MISTAKES_12_1 if _close(
-                     value, hidden_reference(events, comm, compute, **kw))), hint))
+                 _mistake_12_1(value, events, comm, compute, want, hint,
+                               cases[:index]))
         if not _close(value, want):
-            mistake = next((h for kw, h in MISTAKES_12_1 if not _close(
-                hidden_reference(events, comm, compute, **kw), want) and _close(
-                value, hidden_reference(events, comm, compute, **kw))), hint)
-            fail(ex, f"{want:.4f} ({what})", f"{value:.4f}", mistake)
+            fail(ex, f"{want:.4f} ({what})", f"{value:.4f}",
+                 _mistake_12_1(value, events, comm, compute, want, hint,
+                               cases[:index]))
     passed(ex, f"{len(cases)} traces, including the chapter's own: the hidden share "
                "of communication, per rank, without double counting.")
 
@@ -226,12 +322,15 @@ def _entry(record_id, seq, p2p_seq, name, sizes, is_p2p=False):
 
 
 def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
-               buffer: int | None = None, p2p_ranks=()) -> dict[int, list[dict]]:
+               buffer: int | None = None, p2p_ranks=(),
+               bad: int | None = None) -> dict[int, list[dict]]:
     """Flight-recorder entries per rank for a generated program with one bug.
 
     ``kind``: "none" (all agree), "skip" (a rank skips collective ``where``),
     "swap" (a rank runs another operation there), "resize" (same operation,
-    other sizes), "extra" (a rank runs one collective more at the end).
+    other sizes), "reshape" (same operation and element count, another
+    shape), "extra" (a rank runs one collective more at the end). ``bad`` is
+    the rank with the bug (drawn from the seed when None).
     ``where`` may count from the end (-2: the second last). ``buffer`` keeps
     the last entries only, like the ring buffer; ``p2p_ranks`` get
     point-to-point entries between their collectives (so their buffers hold
@@ -241,7 +340,9 @@ def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
     n = rng.randint(6, 12)
     program = [(rng.choice(OPS), [[rng.randint(1, 64)]]) for _ in range(n)]
     where = rng.randint(1, n - 2) if where is None else where % n
-    bad = rng.randrange(world)
+    bad = rng.randrange(world) if bad is None else bad
+    if kind == "reshape":  # an even element count, to split in two
+        program[where] = (program[where][0], [[2 * program[where][1][0][0]]])
     dumps = {}
     for r in range(world):
         ops = list(program)
@@ -253,6 +354,8 @@ def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
                 ops[where] = (name, ops[where][1])
             elif kind == "resize":
                 ops[where] = (ops[where][0], [[ops[where][1][0][0] + 1]])
+            elif kind == "reshape":  # [[n]] as [[2, n / 2]]
+                ops[where] = (ops[where][0], [[2, ops[where][1][0][0] // 2]])
             elif kind == "extra":
                 ops.append(("gloo:all_reduce", [[3]]))
         entries, record, p2p = [], 0, 0
@@ -268,8 +371,18 @@ def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
     return dumps
 
 
+def _numel(sizes) -> int:
+    total = 0
+    for shape in sizes or []:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
 def mismatch_reference(dumps, sizes=True, skip_p2p=True, common_start=True,
-                       missing=True):
+                       missing=True, numel_only=False, first_rank_only=False):
     """The first mismatch; the keyword switches give typical mistakes."""
     by_rank = {r: {e["collective_seq_id"]: e for e in entries
                    if not (skip_p2p and e.get("is_p2p"))}
@@ -279,19 +392,23 @@ def mismatch_reference(dumps, sizes=True, skip_p2p=True, common_start=True,
         return None
     first = max(min(s) for s in held) if common_start else min(min(s) for s in held)
     last = max(max(s) for s in held)
+    if first_rank_only:  # walks the numbers of the first rank's list only
+        last = max(by_rank[min(by_rank)], default=first)
     for seq in range(first, last + 1):
         entries = {r: d.get(seq) for r, d in by_rank.items()}
         if not missing and None in entries.values():
             continue
-        keys = {None if e is None else (e["profiling_name"],
-                                        str(e["input_sizes"]) if sizes else "")
-                for e in entries.values()}
+        keys = {None if e is None else (
+            e["profiling_name"], "" if not sizes else _numel(e["input_sizes"])
+            if numel_only else str(e["input_sizes"])) for e in entries.values()}
         if len(keys) > 1 or None in keys:
             return seq, entries
     return None
 
 
 MISTAKES_12_2 = [
+    ({"numel_only": True}, "compare the sizes themselves, not their element "
+     "count: [[2, 8]] and [[16]] are different inputs"),
     ({"sizes": False}, "ranks also disagree when the input sizes differ (same "
      "operation, other shapes)"),
     ({"skip_p2p": False}, "skip point-to-point entries (is_p2p): they have no "
@@ -300,6 +417,8 @@ MISTAKES_12_2 = [
      "rank still holds: older numbers were overwritten in some ring buffers"),
     ({"missing": False}, "a number that one rank has and another lacks is a "
      "mismatch (the other rank never joined it)"),
+    ({"first_rank_only": True}, "walk every sequence number that any rank holds, "
+     "not only those of rank 0's list: another rank may have run one more"),
 ]
 
 
@@ -336,6 +455,17 @@ def _dump_cases(real):
          "with wrapped buffers, compare only numbers every rank still holds"),
         ("4 ranks, the first collective differs", make_dumps(10, 4, "swap", where=0),
          "the very first collective can be the bad one"),
+        ("3 ranks, rank 2 runs one collective more than the others",
+         make_dumps(11, 3, "extra", bad=2), "walk every sequence number that any "
+         "rank holds: rank 2 has one that ranks 0 and 1 never reached"),
+        ("2 ranks, rank 1 runs one collective more, p2p entries on rank 0",
+         make_dumps(12, 2, "extra", bad=1, p2p_ranks=(0,)),
+         "walk every sequence number that any rank holds, not only rank 0's"),
+        ("2 ranks, same operation and element count, another shape",
+         make_dumps(13, 2, "reshape", bad=1), "compare the input sizes as they are "
+         "([[2, 8]] is not [[16]]), not their element count"),
+        ("4 ranks, rank 3 reshapes an input", make_dumps(14, 4, "reshape", bad=3),
+         "compare the input sizes of every rank as they are"),
     ]
     if real:
         cases.append(("the chapter's real dumps", real,
@@ -348,9 +478,14 @@ def check_first_mismatch(first_mismatch, real_dumps=None) -> None:
     ex = "12.2"
     require_solution(ex, first_mismatch)
     cases = _dump_cases(real_dumps)
-    for what, dumps, hint in cases:
-        given = {r: [dict(e) for e in entries] for r, entries in dumps.items()}
-        seen = call_learner(ex, first_mismatch, given)
+    seen_values = []
+    with _time_limit(LIMIT_S):
+        for _what, dumps, _hint in cases:
+            given = {r: [dict(e) for e in entries] for r, entries in dumps.items()}
+            seen_values.append(call_learner(ex, first_mismatch, given,
+                                            hints=TOO_SLOW))
+    for index, ((what, dumps, hint), seen) in enumerate(
+            zip(cases, seen_values, strict=True)):
         want = mismatch_reference(dumps)
         if want is None:
             if seen is not None:
@@ -358,10 +493,13 @@ def check_first_mismatch(first_mismatch, real_dumps=None) -> None:
             continue
         seq, entries = want
         mistake = hint
+        earlier = [d for _, d, _ in cases[:index]]  # the answer got these right
         for kw, h in MISTAKES_12_2:
             wrong = _seq_of(mismatch_reference(dumps, **kw))
             if wrong != seq and wrong == _seq_of(seen if isinstance(
-                    seen, (tuple, list)) and len(seen) == 2 else None):
+                    seen, (tuple, list)) and len(seen) == 2 else None) and all(
+                    _seq_of(mismatch_reference(d, **kw)) == _seq_of(
+                        mismatch_reference(d)) for d in earlier):
                 mistake = h
                 break
         if seen is None:
@@ -455,20 +593,50 @@ def _compare(restored, saved):
     return None
 
 
+def _die_while_saving(dying: dict) -> None:
+    """Make DCP's file writer fail before it writes .metadata while ``dying``.
+
+    The data files of the checkpoint are on disk by then, its .metadata is
+    not: what a job killed in the middle of a save leaves behind.
+    """
+    from torch.distributed.checkpoint import filesystem
+
+    finish = filesystem._FileSystemWriter.finish
+
+    def finish_or_die(self, metadata, results):
+        if dying["now"]:
+            dying["fired"] = True
+            raise RuntimeError("the job died while this checkpoint was written")
+        return finish(self, metadata, results)
+
+    filesystem._FileSystemWriter.finish = finish_or_die
+
+
 def _quick_stage(rank, world_size, save, load, ckpt_dir, crashes):
-    """Every attempt in the same process: train, 'crash', rebuild, load, compare."""
+    """Every attempt in the same process: train, 'crash', rebuild, load, compare.
+
+    ``crashes`` holds one ("after", step) or ("saving", step) per attempt:
+    a crash after that step, or one in the middle of the save after it.
+    """
     torch.set_num_threads(1)
+    dying = {"now": False, "fired": False}
+    _die_while_saving(dying)
     model, optimizer, scheduler = _build()
     for step in range(STEPS):
         _train_step(model, optimizer, scheduler, step, rank)
     reference = _weights(model)
     fresh = _weights(_build()[0])
     saved, report, start = {}, [], 0
-    for attempt, crash_at in enumerate([*crashes, None]):
+    for attempt, crash in enumerate([*crashes, None]):
         model, optimizer, scheduler = _build()
-        got = load(ckpt_dir, model, optimizer, scheduler)
-        restored = _snapshot(model, optimizer, scheduler)
         latest = max(saved, default=0)
+        try:
+            got = load(ckpt_dir, model, optimizer, scheduler)
+        except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException
+            report.append(("raised", attempt, f"{type(e).__name__}: {e}"[:240],
+                           latest, sorted(saved)))
+            return {"report": report}
+        restored = _snapshot(model, optimizer, scheduler)
         try:
             got = int(got)
         except (TypeError, ValueError):
@@ -488,9 +656,19 @@ def _quick_stage(rank, world_size, save, load, ckpt_dir, crashes):
         for step in range(start, STEPS):
             _train_step(model, optimizer, scheduler, step, rank)
             if (step + 1) % EVERY == 0:
-                save(ckpt_dir, step + 1, model, optimizer, scheduler)
-                saved[step + 1] = _snapshot(model, optimizer, scheduler)
-            if crash_at is not None and step == crash_at:
+                dying.update(now=crash == ("saving", step), fired=False)
+                died = False
+                try:
+                    save(ckpt_dir, step + 1, model, optimizer, scheduler)
+                except BaseException:  # DCP raises CheckpointException, a
+                    # BaseException, on every rank for the death caused here
+                    if not dying["now"]:
+                        raise
+                    died = True
+                dying["now"] = False
+                if not (died or dying["fired"]):  # a save that finished
+                    saved[step + 1] = _snapshot(model, optimizer, scheduler)
+            if crash is not None and step == crash[1]:
                 break
     return {"report": report, "reference": reference, "final": _weights(model)}
 
@@ -543,6 +721,13 @@ HINTS_12_3 = {
 }
 
 
+QUICK_LIMIT_S = 25  # the reference solution takes 2-4 s on a quiet 2-core machine
+HALF_SAVED = ("the save of step {step} died before it finished: its folder holds "
+              "data files but no .metadata, which DCP writes last. Only a complete "
+              "checkpoint counts: name it (a `latest` file) once dcp.save has "
+              "returned on every rank, or skip folders without .metadata")
+
+
 def _step_hint(got, latest, saved) -> str:
     if latest == 0:
         return "with no checkpoint saved yet, return 0"
@@ -569,7 +754,10 @@ def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None
     from course_utils.dist import LaunchTimeout, RankFailed, launch
 
     rng = random.Random(time.time_ns())
-    crashes = (rng.randrange(EVERY + 1, 2 * EVERY + 2), 12)  # 12: after step 13
+    # a crash after step 5-8, one in the middle of the save of step 9, one after
+    # step 13 (indices count from 0)
+    crashes = (("after", rng.randrange(EVERY + 1, 2 * EVERY + 2)),
+               ("saving", 3 * EVERY - 1), ("after", 12))
     root = tempfile.mkdtemp(prefix="ch12_check_")
     ckpt_dir, scratch = os.path.join(root, "ckpt"), os.path.join(root, "tmp")
     os.makedirs(ckpt_dir)
@@ -579,7 +767,7 @@ def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None
         try:
             out = launch(_quick_stage, 2, args=(save_checkpoint, load_checkpoint,
                                                 ckpt_dir, crashes),
-                         timeout=90, backend="gloo", echo=False)  # CPU models
+                         timeout=QUICK_LIMIT_S, backend="gloo", echo=False)
         except RankFailed as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             cause = next((line for line in reversed(lines)
@@ -590,15 +778,26 @@ def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None
                  "read the error; both functions run on every rank, in a process "
                  "group (dist.get_rank() works)")
         except LaunchTimeout as e:
-            fail(ex, "both functions to return within 90 s on 2 ranks",
+            fail(ex, f"both functions to return within {QUICK_LIMIT_S} s on 2 ranks",
                  str(e).splitlines()[0][:200], "a collective that only some ranks "
                  "call (a barrier inside `if rank == 0`) waits for ever")
         value = out[0].value
         # the torchrun run's deadline follows what this machine just took
-        deadline = max(45.0, 8 * (time.perf_counter() - started))
+        deadline = max(30.0, 6 * (time.perf_counter() - started))
         for problem, attempt, got, latest, saved in value["report"]:
-            when = (f"restart {attempt} (after a crash at step "
-                    f"{crashes[attempt - 1] + 1})" if attempt else "the first start")
+            kind, at = crashes[attempt - 1] if attempt else ("", 0)
+            half = kind == "saving"
+            when = ("the first start" if not attempt else
+                    f"restart {attempt} (the job died in the middle of the save "
+                    f"of step {at + 1})" if half else
+                    f"restart {attempt} (after a crash at step {at + 1})")
+            if problem == "raised":
+                fail(ex, f"load_checkpoint to restore step {latest} at {when}",
+                     f"it raised {got}", HALF_SAVED.format(step=at + 1) if half
+                     else "read the error; load_checkpoint runs on every rank")
+            if problem == "step" and half and got == at + 1:
+                fail(ex, f"load_checkpoint to return {latest} at {when}", f"{got}",
+                     HALF_SAVED.format(step=got))
             if problem == "type":
                 fail(ex, f"load_checkpoint to return a step number at {when}",
                      f"{got}", "return an int: the steps the checkpoint holds")
@@ -615,7 +814,8 @@ def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None
                  "so something else changed the training: does save_checkpoint "
                  "step or modify the model, the optimizer or the scheduler?")
         if not elastic:
-            passed(ex, "Two restarts in the same processes changed nothing.")
+            passed(ex, "Three restarts in the same processes, one in the middle of a "
+                       "save, changed nothing.")
             return
         shutil.rmtree(ckpt_dir)
         os.makedirs(ckpt_dir)
