@@ -445,16 +445,187 @@ def busbw(nbytes: float, seconds: float, n: int) -> float:
     return algbw(nbytes, seconds) * 2 * (n - 1) / n
 
 
-def pipeline_seconds(t_one: float, stages: int, microbatches: int) -> float:
-    """GPipe schedule time for work that takes ``t_one`` on one device.
+# pipeline schedules: idle slots of one stage per step, in units of one
+# micro-batch's forward and backward on one stage (Chapter 7, Chapter 13)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+
+
+def bubble_slots(stages: int, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """Idle time of a pipeline step, in micro-batch slots of one stage.
+
+    - ``gpipe`` and ``1f1b``: ``stages - 1`` (1F1B only bounds memory);
+    - ``interleaved``: each GPU holds ``virtual`` stages, the bubble shrinks to
+      ``(stages - 1) / virtual`` (Narayanan et al. 2021, section 2.2.2;
+      PyTorch's ``ScheduleInterleaved1F1B``);
+    - ``zero-bubble``: the backward split into input and weight gradients
+      fills the bubble; its ZB-H1 schedule, at 1F1B's memory, leaves a third
+      of 1F1B's when forward, input-gradient and weight-gradient passes take
+      equal time (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section
+      3.1; PyTorch ships ``ScheduleInterleavedZeroBubble`` and
+      ``ScheduleZBVZeroBubble``).
+    """
+    if stages < 1 or virtual < 1:
+        raise ValueError("stages and virtual must be at least 1")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    if schedule == "interleaved":
+        return (stages - 1) / virtual
+    if schedule == "zero-bubble":
+        return (stages - 1) / 3
+    return float(stages - 1)
+
+
+def pipeline_seconds(t_one: float, stages: int, microbatches: int,
+                     schedule: str = "gpipe", virtual: int = 1) -> float:
+    """Schedule time for work that takes ``t_one`` on one device.
 
     ``stages`` equal stages, the batch in ``microbatches``: each stage does
     ``t_one / (stages x microbatches)`` per micro-batch, and the last one
-    finishes after ``microbatches + stages - 1`` such slots (the bubble).
+    finishes after ``microbatches + bubble_slots(...)`` such slots (GPipe's
+    bubble is ``stages - 1`` slots).
     """
     if stages < 1 or microbatches < 1:
         raise ValueError("stages and microbatches must be at least 1")
-    return t_one * (microbatches + stages - 1) / (stages * microbatches)
+    slots = bubble_slots(stages, schedule, virtual)
+    return t_one * (microbatches + slots) / (stages * microbatches)
+
+
+# --- the step model's kernels: attention, whole steps, networks ---------------------
+
+ATTENTION_EFFICIENCY_INPUTS = ("pt_bench.h100_sdpa_forward_tflops",
+                               "h100_sxm.bf16_tensor_dense_tflops")
+HOPPER_ATTENTION_INPUTS = ("fa3.h100_fp16_forward_tflops",
+                           "h100_sxm.bf16_tensor_dense_tflops")
+NIC_EFFICIENCY_INPUTS = ("nccl.ndr_per_nic_busbw_gbps",
+                         "ndr_infiniband.bandwidth_per_direction_gbps")
+# a node's network: one port per GPU at this line rate (rail-optimised clusters)
+NICS = {"ndr_infiniband": "ndr_infiniband.bandwidth_per_direction_gbps",
+        "hdr_infiniband": "hdr_infiniband.bandwidth_per_direction_gbps"}
+
+
+def attention_efficiency(kernel: str = "sdpa") -> float:
+    """Fraction of the 16-bit peak a fused attention kernel reaches on an H100.
+
+    ``"sdpa"``: PyTorch's ``scaled_dot_product_attention`` forward
+    (FlashAttention-2 backend, head dim 128, long sequences), from PyTorch's
+    own benchmark: well below a large matmul's fraction, since the softmax
+    between the two matmuls runs on the slower non-tensor units.
+    ``"hopper"``: FlashAttention-3, written for Hopper's asynchronous tensor
+    cores, at its best (its paper's figure), as production stacks reach with
+    it or cuDNN's attention.
+    """
+    keys = {"sdpa": ATTENTION_EFFICIENCY_INPUTS,
+            "hopper": HOPPER_ATTENTION_INPUTS}[kernel]
+    achieved, peak = (_value(k) for k in keys)
+    return achieved / peak
+
+
+def attention_seconds(flops: float, gpu: str, math: str = "bf16") -> reference.Figure:
+    """Time of ``flops`` of fused attention (QK^T and PV) on ``gpu`` (Chapter 11).
+
+    ``flops / (peak x attention_efficiency())``: the fraction PyTorch's SDPA
+    reaches on an H100, applied to other GPUs and to the backward pass (an
+    assumption: FlashAttention-2's backward reaches a lower fraction).
+    """
+    t = flops / (peak_flops(gpu, math) * attention_efficiency())
+    return reference.predicted(
+        t, "s", gpu_name(gpu),
+        f"{flops:.3g} attention FLOPs at {attention_efficiency():.0%} of the "
+        f"{math} peak (fused SDPA kernel)",
+        [peak_key(gpu, math), *ATTENTION_EFFICIENCY_INPUTS],
+        caveat="" if gpu == "h100_sxm" else
+        "not calibrated on this GPU: the attention kernel's fraction of peak is "
+        "an H100's")
+
+
+def step_efficiency() -> float:
+    """Fraction of the peak a whole training step's matmuls reach (Chapters 6, 13).
+
+    Not one large matmul's rate: a step also runs norms, activations, the
+    optimizer, casts and launches, and its matmuls have the model's shapes.
+    Fitted on published whole training runs (``course_utils.planner``'s
+    calibration, the runs marked for fitting) and checked on the others.
+    """
+    from course_utils import planner  # the fit models whole runs
+
+    return planner.whole_step_efficiency(planner.LLAMA3_8B)
+
+
+def training_compute_seconds(flops: float, gpu: str,
+                             math: str = "bf16") -> reference.Figure:
+    """Time of a training step's ``flops`` of model matmuls on one ``gpu``.
+
+    ``flops / (peak x step_efficiency())``: the whole-step rate calibrated on
+    published training runs, not one matmul's (which ``achieved_flops`` gives).
+    """
+    eff = step_efficiency()
+    return reference.predicted(
+        flops / (peak_flops(gpu, math) * eff), "s", gpu_name(gpu),
+        f"{flops:.3g} FLOPs at {eff:.0%} of the {math} peak (whole-step rate "
+        "fitted on published training runs)",
+        [peak_key(gpu, math), "fitted: python -m course_utils.predict --calibration"],
+        caveat="" if math == "bf16" else
+        f"not calibrated for {math}: the whole-step rate is bf16 runs'")
+
+
+def nic_efficiency() -> float:
+    """Fraction of an InfiniBand port's line rate NCCL reaches per NIC."""
+    achieved, line = (_value(k) for k in NIC_EFFICIENCY_INPUTS)
+    return achieved / line
+
+
+def nic_bandwidth(nic: str = "ndr_infiniband") -> float:
+    """What NCCL reaches through one network port, bytes/s each way."""
+    if nic not in NICS:
+        raise ValueError(f"nic must be one of {sorted(NICS)}, not {nic!r}")
+    return _value(NICS[nic]) * 1e9 * nic_efficiency()
+
+
+def group_busbw(n: int, local: int, link: str = "nvlink_h100",
+                nic: str = "ndr_infiniband", nics: int = 0) -> float:
+    """Bus bandwidth of a collective over ``n`` GPUs, ``local`` of them per node.
+
+    Inside one node (``n <= local``): the link's achieved rate. Across nodes,
+    NCCL drives every port of the node at once (one per GPU on
+    rail-optimised clusters): the group's ``local`` GPUs of a node cross the
+    network through ``local`` ports, so the bus bandwidth is ``local`` ports'
+    achieved rate, capped by the link inside the node. A group with one GPU
+    per node (tensor parallel inside, data parallel across) gets one port.
+    ``nics``: a node's ports, when it has fewer than one per GPU.
+    """
+    if n < 1 or local < 1:
+        raise ValueError("n and local must be at least 1")
+    inside = achieved_link_bandwidth(link)
+    if n <= local:
+        return inside
+    ports = min(local, nics) if nics else local
+    return min(inside, ports * nic_bandwidth(nic))
+
+
+COLLECTIVE_FACTORS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0,
+                      "all_to_all": 1.0}
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, local: int = 8,
+                       link: str = "nvlink_h100",
+                       nic: str = "ndr_infiniband") -> float:
+    """Seconds of one collective of a ``nbytes`` buffer over ``n`` GPUs.
+
+    nccl-tests' conventions: each GPU moves ``factor x (n - 1) / n x bytes``
+    (factor 2 for an all-reduce, 1 for all-gather, reduce-scatter and
+    all-to-all) at the group's bus bandwidth (``group_busbw``), after the
+    calibrated per-collective latency. An all-reduce of a whole 8-GPU H100
+    node uses NVLS above the size its maintainer gives (``allreduce_seconds``).
+    """
+    if kind not in COLLECTIVE_FACTORS:
+        raise ValueError(f"kind must be one of {sorted(COLLECTIVE_FACTORS)}")
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce" and n <= local:
+        return allreduce_seconds(nbytes, n, link).value
+    rate = group_busbw(n, local, link, nic)
+    return (collective_latency()
+            + COLLECTIVE_FACTORS[kind] * (n - 1) / n * nbytes / rate)
 
 
 def tensor_math_speedup(gpu: str, low: str = "bf16",
@@ -492,7 +663,7 @@ def ddp_step_seconds(t_compute: float, grad_bytes: float, n: int,
 # --- calibration: predictions against published measurements -------------------------
 
 BAND = (0.8, 1.25)
-MIN_PAIRS = 20
+MIN_PAIRS = 40
 
 
 @dataclass
@@ -661,10 +832,38 @@ def _training_pairs() -> list[Pair]:
     return pairs
 
 
+def _network_pairs() -> list[Pair]:
+    """All-reduces across nodes: every port of a node at NCCL's rate per port."""
+    pairs = []
+    for key, link, nic, ports, setup in (
+            ("gtc24_dgx_h100_8x400g_busbw", "nvlink_h100", "ndr_infiniband", 8,
+             "DGX H100 nodes, 8 x 400 Gb/s ports each"),
+            ("gtc24_dgx_a100_8x200g_busbw", "nvlink_a100", "hdr_infiniband", 8,
+             "DGX A100 nodes, 8 x 200 Gb/s ports each (NVIDIA's slide)"),
+            ("nccl812_dgx_a100_8x200g_busbw", "nvlink_a100", "hdr_infiniband", 8,
+             "DGX A100 nodes, 8 x 200 Gb/s ports each (NCCL's maintainer)"),
+            ("nccltests119_3x_a100_4x_hdr_busbw", "nvlink_a100", "hdr_infiniband",
+             4, "3 nodes of 8 A100s, 4 x 200 Gb/s ports each"),
+            ("nccltests175_2x_a100_4x200g_busbw", "nvlink_a100", "hdr_infiniband",
+             4, "2 nodes of 8 A100s, 4 x 200 Gb/s ports each"),
+            ("gtc24_one_400g_nic_busbw", "nvlink_h100", "ndr_infiniband", 1,
+             "one 400 Gb/s port per node"),
+            ("gtc24_one_200g_nic_busbw", "nvlink_a100", "hdr_infiniband", 1,
+             "one 200 Gb/s port per node")):
+        measured = f"runs.allreduce_crossnode_{key}"
+        pairs.append(Pair(
+            f"all_reduce bus bandwidth across nodes, {setup}",
+            group_busbw(16, 8, link, nic, ports) / 1e9, _value(measured), "GB/s",
+            measured, (NICS[nic], *NIC_EFFICIENCY_INPUTS)))
+    return pairs
+
+
 def calibration_pairs() -> list[Pair]:
     """Every prediction the course's models make of a published measurement."""
+    from course_utils import planner  # whole runs, through the planner's model
+
     return [*_compute_pairs(), *_copy_pairs(), *_allreduce_pairs(),
-            *_training_pairs()]
+            *_network_pairs(), *_training_pairs(), *planner.run_pairs()]
 
 
 _HOST_READS = ("the same machine's device-to-host copy reaches the link's rate, so "
@@ -724,12 +923,10 @@ def out_of_scope() -> list[OutOfScope]:
            "samples/s", _AMOEBA)
           for n, m in ((2, 4), (2, 32), (4, 1), (4, 4), (4, 32), (8, 1), (8, 4),
                        (8, 32))),
-        ("large-model training throughput (Megatron-LM, 3072 A100s)",
-         "megatron_2021.aggregate_pflops", "PFLOP/s",
-         "a whole training step of a 1-trillion-parameter model (tensor, pipeline "
-         "and data parallel, with recomputation), not one large matmul, the only "
-         "rate the models have; it reached 52% of peak (megatron_2021.fraction_of_"
-         "peak)"),
+        ("all_reduce bus bandwidth across 2 nodes of 8 A100s, 8 x 100 Gb/s ports",
+         "runs.allreduce_crossnode_nccl812_2x_a100_8x100g_ring_busbw", "GB/s",
+         "a user's run that NCCL's maintainer calls 'a little low' for its ports in "
+         "the same thread; no model input exists for 100 Gb/s ports"),
         ("1000 launches of a += a on a 4x4 tensor, host time",
          "seed000.gpu_add_loop_seconds", "s",
          "the seed's timer also covers torch.ones(n, n).cuda(), on a GPU and "
@@ -739,6 +936,8 @@ def out_of_scope() -> list[OutOfScope]:
          "the seed's machine and PyTorch version are unknown, and a matmul's "
          "launch (cuBLAS dispatch) is not the elementwise launch the model has"),
     ]
+    from course_utils import planner  # whole runs the planner does not cover
+
     out = []
     for setup, key, unit, reason in items:
         value = _entry(key)["value"]
@@ -746,7 +945,7 @@ def out_of_scope() -> list[OutOfScope]:
         if unit == "x" and _entry(key)["unit"] != "x":  # AMP's over TF32's rate
             value /= v(key.replace("_amp_", "_tf32_"))
         out.append(OutOfScope(setup, float(value), unit, key, reason))
-    return out
+    return out + planner.out_of_scope()
 
 
 def caveat(measured: str) -> str:
@@ -779,6 +978,17 @@ def calibration_report() -> tuple[list[str], bool]:
     lines.append(f"{len(pairs) - len(bad)} pairs within [{BAND[0]}, {BAND[1]}], "
                  f"{len(bad)} outside it")
     lines += [f"outside the band: {p.setup}" for p in bad]
+    fit = [p for p in pairs if p.setup.startswith("[fit]")]
+    held = [p for p in pairs if p.setup.startswith("[check]")]
+    if fit and held:
+        from course_utils import planner
+
+        lines.append(
+            f"whole runs: the activation traffic "
+            f"({planner.fitted_activation_traffic():.0f} x 2 bytes per token and "
+            f"hidden unit) fitted on the {len(fit)} pairs marked [fit]; the "
+            f"{len(held)} marked [check] were held back from the fit, ratios "
+            f"{min(p.ratio for p in held):.2f}-{max(p.ratio for p in held):.2f}")
     if len(pairs) < MIN_PAIRS:
         lines.append(f"too few calibration pairs: {len(pairs)} < {MIN_PAIRS}")
     scope = out_of_scope()
