@@ -18,26 +18,31 @@
 #
 # - Why attention's memory grows with the sequence, and what ranks that split
 #   the sequence must exchange: the keys and values.
-# - Ring attention built by hand: K/V blocks passed around a ring with
-#   `batch_isend_irecv`, partial softmaxes merged with the log-sum-exp rule,
-#   equal to one process; the causal load imbalance and its zig-zag fix.
-# - A trainable variant with an autograd all-gather, and a trap: one of
-#   PyTorch's autograd all-gathers returns wrong gradients here, silently.
-# - Expert parallelism: a top-2 mixture of experts whose tokens travel to their
-#   experts' ranks by `all_to_all_single`, equal to one process forward and
-#   backward; load balance, capacity factors and the balancing loss.
+# - Three context-parallel designs built by hand and weighed: ring attention
+#   (K/V blocks passed around with `batch_isend_irecv`, merged with the
+#   log-sum-exp rule), all-gather of K/V (trainable), and Ulysses (an
+#   all-to-all that shards the heads instead); the causal imbalance and its
+#   zig-zag fix.
+# - PyTorch's `context_parallel` as it really behaves in 2.13: all-gather by
+#   default, ring on request, its head-tail balancer, and its error on CPUs.
+# - Expert parallelism as it is trained today: dropless dispatch with two
+#   `all_to_all_single`s of variable splits, equal to one process forward and
+#   backward; load balance, and capacity factors as the older design.
 #
 # **Hardware.** Every rank is a real process; collectives go through `gloo`
 # on CPUs and `nccl` when there is a GPU per rank. PyTorch's own
-# `context_parallel` API needs CUDA attention kernels (on a CPU it never
-# returns), so this chapter builds both parallelisms by hand, runs the library
-# API only when there are GPUs, and shows published and predicted GPU figures
-# beside the CPU measurements.
+# `context_parallel` handles only the CUDA attention kernels: on CPU ranks it
+# raises an error at once, which section 3 shows. So this chapter
+# builds every design by hand, runs the library API for real only with a GPU
+# per rank, and shows published and predicted GPU figures beside the CPU
+# measurements.
 
 # %%
 import math
 import warnings
 
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,6 +53,10 @@ from course_utils.checks.ch11 import (
     check_blockwise_attention,
     check_plan_dispatch,
     check_predict_scores,
+)
+from course_utils.compat import (  # private names whose module moved between versions
+    _cp_options,
+    _create_default_load_balancer,
 )
 from course_utils.devices import format_bytes, gpu_count
 from course_utils.dist import launch
@@ -293,9 +302,34 @@ print(f"scores per rank {list(balanced)}: busiest / average {imbalance(balanced)
 # %% [markdown]
 # Every rank now computes the same number of scores, and fewer in total: the
 # smaller chunks make the diagonal blocks, where half the scores are masked
-# but still computed, smaller. PyTorch's `context_parallel` does the same by
-# default for causal attention (its head-tail load balancer), and Llama 3's
-# context parallelism splits the sequence this way too.
+# but still computed, smaller. Llama 3's context parallelism splits the
+# sequence this way, and so does PyTorch's `context_parallel` through its
+# head-tail load balancer - with three traps, which its balancer (read in
+# torch 2.13's `_context_parallel`) and our zig-zag run show:
+
+# %%
+for seq in (16, 18):
+    balancer = _create_default_load_balancer(seq, N_RING, "cpu")
+    print(f"S = {seq}, {N_RING} ranks: tokens per rank "
+          + (str(balancer._generate_indices(restore=False).view(N_RING, -1).tolist())
+             if balancer else "- no balancer: contiguous chunks, imbalanced again"))
+naive = torch.cat(outs, dim=2)  # the zig-zag outputs, concatenated in rank order
+print(f"zig-zag outputs joined in rank order: largest difference from one process "
+      f"{(naive - want).abs().max():.2f} (put each chunk back in its place: "
+      f"{(got - want).abs().max():.0e})")
+
+# %% [markdown]
+# - The balancer is used only when `S` is a multiple of `2N`; otherwise the
+#   library shards contiguously and the causal imbalance is back, with no
+#   warning.
+# - A rank's shard is not one slice of the sequence: outputs joined in rank
+#   order are scrambled (use `context_parallel_unshard`, which restores the
+#   order), and every tensor indexed by position (labels, positions for
+#   rotary embeddings, masks) must be sharded the same way: pass it in
+#   `buffers`.
+# - With the balancer on, non-causal attention raises `RuntimeError: Load
+#   balancing requires is_causal=True`; an encoder or a diffusion model
+#   switches it off first (`_cp_options.enable_load_balance = False`).
 #
 # ## 3. A trainable variant: all-gather K/V
 #
@@ -311,7 +345,8 @@ print(f"scores per rank {list(balanced)}: busiest / average {imbalance(balanced)
 # %%
 def allgather_attention(rank, world_size, q, k, v, weight):
     import torch.distributed.nn.functional as dist_nn
-    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    from course_utils.compat import all_gather_single_autograd
 
     warnings.simplefilter("ignore", FutureWarning)  # dist_nn's deprecation
     dev, group = rank_device(rank), dist.group.WORLD
@@ -369,7 +404,241 @@ for name in ranks[0]:
 # would never notice: compare the gradients with one process, once, for
 # each parallel layout.
 #
-# ## 4. Expert parallelism
+# ### PyTorch's `context_parallel`
+#
+# `torch.distributed.tensor.experimental.context_parallel` does this inside
+# a context manager: it shards the tensors given as `buffers` along their
+# sequence dimension (head-tail for causal attention) and replaces
+# `F.scaled_dot_product_attention` by its own loop over K/V shards. What it
+# sends is set by `_cp_options.rotate_method`, whose default in torch 2.13 is
+# **all-gather**, not a ring:
+#
+# - `set_rotate_method("allgather")` (the default): one `all_gather_single`
+#   of every rank's K and V at the first step; each rank then holds the
+#   whole K and V, as in the all-gather above.
+# - `set_rotate_method("alltoall")`: at each of the `N - 1` steps an
+#   `all_to_all_single` in which each rank sends its current K/V shard to
+#   rank `r + 1` only (`permute_tensor`): the ring of section 2.
+#
+# Both send every rank `2 (N - 1)` shards; the ring holds two at a time and
+# can overlap each with a step's compute. We hand the library a small
+# attention layer's *input* (a model passes its inputs, labels and position
+# tables as `buffers`; q, k and v are computed inside from the sharded
+# input), with each rotation, on two ranks:
+
+# %%
+def library_context_parallel(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_utils.compat import (  # their modules moved between versions
+        context_parallel,
+        context_parallel_unshard,
+        set_rotate_method,
+    )
+
+    dev = rank_device(rank)
+    mesh = init_device_mesh(dev.type, (world_size,))
+    torch.manual_seed(0)
+    proj = nn.Linear(64, 3 * 64).to(dev)  # q, k and v: 4 heads of 16
+
+    def layer(x):  # (batch, S, 64) -> (batch, S, 64)
+        q, k, v = proj(x).unflatten(-1, (3, 4, 16)).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).flatten(2)
+
+    x = torch.randn(2, 256, 64, device=dev)
+    want, found = layer(x), {}
+    for method in ("allgather", "alltoall"):
+        set_rotate_method(method)
+        try:
+            with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
+                out = layer(x)  # x is this rank's shard inside the context
+            (out,) = context_parallel_unshard(mesh, [out], [1])
+            found[method] = f"largest difference {(out - want).abs().max():.1e}"
+        except NotImplementedError as error:
+            found[method] = f"NotImplementedError: {str(error).splitlines()[0]}"
+    return found
+
+
+print(f"default rotate_method: {_cp_options.rotate_method.name}")
+results = launch(library_context_parallel, 2, timeout=60, echo=False)
+where = "2 GPUs" if gpu_count() >= 2 else "2 CPU ranks"
+for method, result in results[0].value.items():
+    print(f"{where}, {method}: {result}")
+
+# %% [markdown]
+# On CPU ranks both fail at once: the library's DTensor rules cover the
+# CUDA attention kernels (flash, memory-efficient, cuDNN) and not the CPU
+# one. With a GPU per rank both equal one GPU. Hence the hand-built
+# versions here, which run everywhere.
+#
+# ## 4. Ulysses: shard the heads instead
+#
+# The third design, DeepSpeed-Ulysses (Jacobs et al., arXiv:2309.14509),
+# exchanges *which* dimension is split. Attention mixes positions but never
+# heads, so before attention one all-to-all turns "rows `S/N` of all `H`
+# heads" into "all `S` rows of `H/N` heads"; each rank runs ordinary
+# attention on its heads, and a second all-to-all turns the output back. No
+# log-sum-exp merging, no causal imbalance (each rank sees the whole
+# sequence), and any attention kernel works:
+
+# %%
+def seq_to_heads(t, world_size):
+    """(b, H, S/N, d) on each rank -> (b, H/N, S, d): all rows of H/N heads."""
+    b, h, s, d = t.shape
+    send = t.reshape(b, world_size, h // world_size, s, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)  # head group j goes to rank j
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // world_size, world_size * s, d)
+
+
+def heads_to_seq(t, world_size):
+    """(b, H/N, S, d) -> (b, H, S/N, d): rows group j goes back to rank j."""
+    b, h, s, d = t.shape
+    send = t.reshape(b, h, world_size, s // world_size, d).transpose(0, 2).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return recv.permute(2, 0, 1, 3, 4).reshape(b, world_size * h, s // world_size, d)
+
+
+def ulysses_attention(rank, world_size, q, k, v, causal):
+    dev, c = rank_device(rank), q.shape[2] // world_size
+    local = [t[:, :, rank * c:(rank + 1) * c].to(dev) for t in (q, k, v)]
+    heads = [seq_to_heads(t, world_size) for t in local]
+    out = heads_to_seq(F.scaled_dot_product_attention(*heads, is_causal=causal),
+                       world_size)
+    sent = 4 * out.nelement() * out.element_size() * (world_size - 1) // world_size
+    return out.cpu(), sent  # q, k, v and the output each leave (N-1)/N of a rank
+
+
+def ulysses_runs(rank, world_size, q, k, v):
+    return [ulysses_attention(rank, world_size, q, k, v, c) for c in (False, True)]
+
+
+torch.manual_seed(0)  # section 2's tensors again
+q, k, v = (torch.randn(1, HEADS, SEQ, HEAD_DIM) for _ in range(3))
+runs = [r.value for r in launch(ulysses_runs, N_RING, args=(q, k, v), timeout=60,
+                                echo=False)]
+for i, causal in enumerate((False, True)):
+    got = torch.cat([r[i][0] for r in runs], dim=2)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    print(f"Ulysses, causal={causal!s:5}: largest difference from one process "
+          f"{(got - want).abs().max():.1e}")
+print(f"bytes each rank sent: Ulysses {format_bytes(runs[0][0][1])}, the ring "
+      f"{format_bytes(2 * (N_RING - 1) * block)}")
+
+# %% [markdown]
+# Exact, and here half the ring's traffic. Per rank and layer, with `s = S/N`
+# rows of `d` values per head:
+#
+# | design | elements sent per rank | K/V held | limit |
+# | --- | --- | --- | --- |
+# | ring | `2 (N-1) s H_kv d`, in steps that overlap compute | 2 blocks | - |
+# | all-gather | the same, in one collective | all of K, V | memory |
+# | Ulysses | `(N-1)/N (2H + 2H_kv) s d`, blocking | `H_kv/N` heads | `N <= H_kv` |
+#
+# Grow `S` and `N` together (fixed `s`) and Ulysses's volume stays constant
+# while the ring's grows with `N` (the paper's claim). But Ulysses moves Q
+# and the output too: with grouped K/V heads (GQA, e.g. 64 query heads and
+# 8 K/V heads) the ring sends less, and Ulysses cannot use more ranks than
+# K/V heads without copying K/V heads. The figure, for bf16 heads of 128:
+
+# %%
+def cp_bytes(seq, heads, kv_heads, n, dim=128, nbytes=2):
+    """Bytes sent per rank and layer (forward) by each design; None: impossible."""
+    s = seq // n * dim * nbytes  # one head's rows on one rank
+    ring = 2 * (n - 1) * kv_heads * s
+    ulysses = ((n - 1) * (2 * heads + 2 * max(kv_heads, n)) * s // n
+               if n <= heads else None)  # K/V heads copied up to N
+    return {"ring": ring, "all-gather": ring, "Ulysses": ulysses}
+
+
+def kv_held(seq, heads, kv_heads, n, dim=128, nbytes=2):
+    """Bytes of K and V each rank holds at once."""
+    s = seq // n * dim * nbytes
+    return {"ring": 2 * 2 * kv_heads * s, "all-gather": 2 * kv_heads * s * n,
+            "Ulysses": 2 * max(kv_heads, n) * s}
+
+
+def plot_cp_tradeoff(heads=64, kv_heads=8, rows_per_rank=8192, seq=131072, n=8):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ranks, kvs = [2, 4, 8, 16, 32, 64], [1, 2, 4, 8, 16, 32, 64]
+    seqs = [rows_per_rank * r for r in ranks]
+    for name, color in (("ring", "C0"), ("Ulysses", "C1")):
+        for kv, dash in ((heads, ":"), (kv_heads, "-")):
+            left.plot(seqs, [cp_bytes(rows_per_rank * r, heads, kv, r)[name] / 2**20
+                             for r in ranks], dash + "o", color=color,
+                      label=f"{name}, {kv} K/V heads")
+        right.plot(kvs, [cp_bytes(seq, heads, kv, n)[name] / 2**20 for kv in kvs],
+                   "-o", color=color, label=name)
+    left.set(xscale="log", yscale="log", xlabel=f"sequence S (N = S / {rows_per_rank})",
+             ylabel="MiB sent per rank per layer",
+             title=f"{heads} query heads: S and N grow together")
+    left.set_xticks(seqs, [f"{x // 1024}K" for x in seqs], minor=False)
+    left.minorticks_off()
+    right.set(xscale="log", xlabel="K/V heads", ylabel="MiB sent per rank per layer",
+              title=f"S = {seq // 1024}K, N = {n}, {heads} query heads")
+    right.set_xticks(kvs, [str(x) for x in kvs])
+    right.minorticks_off()
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.suptitle("cp_bytes, bf16, heads of 128 (all-gather sends as the ring)")
+    fig.tight_layout()
+    plt.show()
+
+
+plot_cp_tradeoff()
+
+# %% [markdown]
+# **Try it.** Move the sequence length, the heads and the ranks: what each
+# design sends, and the K and V each rank holds at once (bf16, heads of 128,
+# one layer):
+
+# %%
+def compare_designs(seq_k=128, heads=64, kv_heads=8, ranks=8):
+    seq = seq_k * 1024
+    if heads % kv_heads or seq % ranks:
+        print("K/V heads must divide the query heads, and ranks the sequence")
+        return
+    sent, held = cp_bytes(seq, heads, kv_heads, ranks), kv_held(seq, heads, kv_heads,
+                                                                 ranks)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 2.6))
+    for ax, values, what in ((axes[0], sent, "sent"), (axes[1], held, "K/V held")):
+        ax.bar(list(values), [(b or 0) / 2**20 for b in values.values()],
+               color=["C0", "C1", "C2"])
+        ax.set(ylabel=f"MiB {what} per rank")
+    fig.tight_layout()
+    plt.show()
+    for name, b in sent.items():
+        print(f"{name:10}: sends {format_bytes(b) if b else '-':>10}, holds "
+              f"{format_bytes(held[name]):>10} of K/V"
+              + ("" if b else f" (impossible: {ranks} ranks > {heads} heads)"))
+    print(f"one GPU without context parallelism holds "
+          f"{format_bytes(2 * kv_heads * seq * 128 * 2)} of K/V")
+
+
+widgets.interact(compare_designs,
+                 seq_k=widgets.SelectionSlider(options=[2**i for i in range(3, 11)],
+                                               value=128, description="S (K)",
+                                               continuous_update=False),
+                 heads=widgets.SelectionSlider(options=[8, 16, 32, 64, 128], value=64,
+                                               description="heads",
+                                               continuous_update=False),
+                 kv_heads=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64],
+                                                  value=8, description="K/V heads",
+                                                  continuous_update=False),
+                 ranks=widgets.SelectionSlider(options=[2, 4, 8, 16, 32, 64, 128],
+                                               value=8, description="ranks N",
+                                               continuous_update=False));
+
+# %% [markdown]
+# Llama 3 chose the all-gather for its 128K stage (its report, section
+# 3.3.2): a gathered K/V makes masks such as a document mask easy, and with
+# GQA the K/V are much smaller than Q. Designs also combine: USP (Fang and
+# Zhao, arXiv:2405.07719) runs Ulysses on one mesh dimension and a ring on
+# the other.
+#
+# ## 5. Expert parallelism: dropless dispatch
 #
 # A **mixture of experts** (MoE) layer replaces one feed-forward network by
 # `E` of them and a router: for each token the router picks its top `k`
@@ -377,7 +646,14 @@ for name in ranks[0]:
 # grow `E` times while the computation per token grows only `k` times. Expert
 # parallelism puts different experts on different ranks, so each token must
 # travel to the ranks of its experts and its results must come back: two
-# all-to-alls per layer. First the one-process layer, the reference:
+# all-to-alls per layer. Today's MoE training is **dropless**: every
+# assignment reaches its expert, however uneven the load (DeepSeek-V3's
+# report, section 2.1.2: "DeepSeek-V3 does not drop any tokens during
+# training"; MegaBlocks, Gale et al., arXiv:2211.15841; torchtitan's MoE, with
+# no capacity at all). Each expert then gets a batch of a different size,
+# which one **grouped GEMM** computes in a single kernel (`torch._grouped_mm`
+# in torchtitan's `GroupedExperts`). First the one-process layer, the
+# reference:
 
 # %%
 WIDTH, HIDDEN, N_EXPERTS, TOP_K = 16, 32, 6, 2
@@ -416,10 +692,12 @@ def moe_one_process(x, router, experts, skew=0.0):
 # receivers cannot know how much will arrive, so the **counts travel first**
 # (an all-to-all of `N` integers); then the token vectors go with uneven splits,
 # `all_to_all_single(output, input, output_split_sizes, input_split_sizes)`,
-# together with the expert each is for. Each rank runs its experts on what it
-# received, a second all-to-all sends the results back with the splits
-# swapped, and each token sums its experts' results times the gates. For the
-# backward, the token all-to-alls use the functional collective with autograd.
+# together with the expert each is for. Each rank sorts what it received by
+# expert and runs each expert on its contiguous group of rows (a grouped GEMM
+# on a GPU, a loop here); a second all-to-all sends the results back with the
+# splits swapped, and each token sums its experts' results times the gates.
+# For the backward, the token all-to-alls use the functional collective with
+# autograd.
 
 # %%
 def moe_expert_parallel(rank, world_size, x_all, skew):
@@ -439,10 +717,11 @@ def moe_expert_parallel(rank, world_size, x_all, skew):
     x_recv = all_to_all_single_autograd(x[token], recv, send, group)
     e_recv = torch.empty(sum(recv), dtype=torch.long, device=dev)
     dist.all_to_all_single(e_recv, flat[order].contiguous(), recv, send)
-    y_recv = torch.zeros_like(x_recv)
-    for e in range(rank * per_rank, (rank + 1) * per_rank):
-        rows = (e_recv == e).nonzero().squeeze(1)
-        y_recv = y_recv.index_add(0, rows, experts[e](x_recv[rows]))
+    by_expert = e_recv.argsort(stable=True)  # rows grouped by expert
+    sizes = torch.bincount(e_recv - rank * per_rank, minlength=per_rank).tolist()
+    groups = x_recv[by_expert].split(sizes)  # variable sizes: nothing dropped
+    y_recv = torch.cat([experts[rank * per_rank + i](g) for i, g in enumerate(groups)])
+    y_recv = y_recv[by_expert.argsort()]  # back to the order received
     y_back = all_to_all_single_autograd(y_recv, send, recv, group)  # splits swapped
     y = torch.zeros_like(x).index_add(0, token, y_back * gate.flatten()[order, None])
     (y ** 2).sum().backward()
@@ -480,17 +759,36 @@ def compare_with_one_process(world_size, x, skews=(0.0,)):
 
 torch.manual_seed(2)
 tokens = torch.randn(30, WIDTH)
-moe = {2: compare_with_one_process(2, tokens),
-       3: compare_with_one_process(3, tokens, skews=(0.0, 3.0))}  # 3.0: see below
-for n in (2, 3):
-    worst, received = moe[n][0]
-    print(f"{n} ranks, {N_EXPERTS // n} experts each: largest difference from one "
-          f"process (output and every gradient) {worst:.1e}; token rows each rank "
-          f"received from ranks 0..{n - 1}: {received}")
+moe = compare_with_one_process(3, tokens, skews=(0.0, 3.0))  # 3.0: see below
+worst, received = moe[0]
+print(f"3 ranks, {N_EXPERTS // 3} experts each: largest difference from one process "
+      f"(output and every gradient) {worst:.1e}; token rows each rank received from "
+      f"ranks 0..2: {received}")
 
 # %% [markdown]
 # Equal to one process, forward and backward, with splits that differ from
-# rank to rank (the lists above: no two ranks receive the same number of rows).
+# rank to rank (no two ranks receive the same number of rows), and nothing
+# dropped. This dispatch sends one row per (token, expert) pair; a token whose
+# two experts live on one rank travels twice. Sending one copy per (token,
+# destination) instead, and letting the receiver hand it to each of its
+# experts, saves that:
+
+# %%
+with torch.no_grad():
+    _, chosen = route(tokens, make_moe()[0])
+dest = (chosen // (N_EXPERTS // 3)).tolist()
+once = sum(len(set(row)) for row in dest)
+print(f"rows dispatched: {len(dest) * TOP_K}, one per (token, expert); one per "
+      f"(token, destination rank): {once}")
+
+# %% [markdown]
+# DeepSeek-V3's dispatch does this per node: a token crosses InfiniBand once
+# to each node it needs, to the GPU with the same index there, and NVLink
+# forwards it to the GPUs of its experts; **node-limited routing** lets a
+# token pick experts on at most 4 nodes (its report, sections 2.1.2 and
+# 3.2.2). A **shared expert**, which every token passes through (DeepSeek-V3
+# has one beside 256 routed ones), needs no dispatch at all: each rank runs it
+# on its own tokens.
 #
 # ### Load balance: the problem
 #
@@ -501,7 +799,7 @@ for n in (2, 3):
 # however many arrive:
 
 # %%
-for skew, (worst, received) in zip((0.0, 3.0), moe[3], strict=True):
+for skew, (worst, received) in zip((0.0, 3.0), moe, strict=True):
     load = [sum(r) for r in received]  # the 3-rank launch above ran both
     print(f"skew {skew}: rows received per rank {load} (of {TOP_K * len(tokens)}); "
           f"busiest / average {imbalance(load):.2f}; still equal to one process "
@@ -510,11 +808,14 @@ for skew, (worst, received) in zip((0.0, 3.0), moe[3], strict=True):
 # %% [markdown]
 # Two remedies, which change different things:
 #
-# - A **capacity factor** (GShard, Switch Transformer) caps each expert at
-#   `capacity = ceil(factor x T k / E)` assignments per batch. Buffers get a
-#   fixed size and no rank gets more than its share, but assignments beyond
-#   the cap are **dropped**: that expert's contribution is lost for the
-#   token, which passes on through the residual connection.
+# - A **capacity factor**, the older design (GShard, Switch Transformer),
+#   caps each expert at `capacity = ceil(factor x T k / E)` assignments per
+#   batch. Buffers get a fixed size and no rank gets more than its share, but
+#   assignments beyond the cap are **dropped**: that expert's contribution is
+#   lost for the token, which passes on through the residual connection.
+#   Dropless training sizes the buffers from the counts exchanged first
+#   instead; a capacity remains where a fixed buffer size matters more than
+#   every token's expert (static shapes, some serving systems).
 # - An **auxiliary balancing loss** changes the router itself. Switch
 #   Transformer's is `E * sum_i f_i P_i`, with `f_i` the fraction of tokens whose
 #   first choice is expert `i` and `P_i` the mean router probability of `i`;
@@ -522,8 +823,8 @@ for skew, (worst, received) in zip((0.0, 3.0), moe[3], strict=True):
 #   small weight, it teaches the router to spread the tokens.
 #
 # Measured on the skewed router, in one process: what each capacity factor
-# drops, then the load after the router has trained on the balancing loss
-# alone for 50 steps of gradient descent:
+# would drop, then the load after the router has trained on the balancing
+# loss alone for 50 steps of gradient descent:
 
 # %%
 def expert_load(x, router, skew):
@@ -545,6 +846,7 @@ def balancing_loss(x, router, skew):
 torch.manual_seed(3)
 batch = torch.randn(600, WIDTH)
 router, _ = make_moe()
+loads = {}
 for stage in ("before", "after"):
     if stage == "after":
         for _ in range(50):  # plain gradient descent on the router alone
@@ -553,7 +855,7 @@ for stage in ("before", "after"):
             with torch.no_grad():
                 router.weight -= 10.0 * router.weight.grad
     with torch.no_grad():
-        load = expert_load(batch, router, 3.0)
+        loads[stage] = load = expert_load(batch, router, 3.0)
         aux = balancing_loss(batch, router, 3.0).item()
     drops = ", ".join(f"{f}: {dropped(load, f, len(batch))[0] / load.sum().item():.0%}"
                       for f in (1.0, 1.25, 2.0))
@@ -561,52 +863,37 @@ for stage in ("before", "after"):
           f"load per expert {load.tolist()}\n   dropped with capacity factor {drops}")
 
 # %% [markdown]
-# The capacity factor trades dropped tokens for bounded buffers; the loss
-# attacks the cause, so the same factors drop far fewer (the two lines
-# above). Real models use
-# both; DeepSeek-V3 balances its experts without an auxiliary loss (its report
+# The loss attacks the cause, so the same factors drop far fewer (the two
+# lines above). DeepSeek-V3 balances without an auxiliary loss (its report
 # adjusts a per-expert bias of the routing scores during training instead).
-# Exercise 11.2 builds the dispatch with a capacity.
-#
-# ## 5. The library path, and GPU figures
-#
-# `torch.distributed.tensor.experimental.context_parallel` does what section 2
-# did, inside a context manager: it shards the buffers it is given along
-# their sequence dimension (head-tail, that is zig-zag, for causal attention)
-# and replaces `F.scaled_dot_product_attention` by ring attention. It handles
-# the CUDA attention kernels only (flash, memory-efficient, cuDNN), so it runs
-# here only with a GPU per rank:
+# **Try it**: the capacity factor against what it would drop, before and
+# after balancing (Exercise 11.2 builds a capacity-limited dispatch):
 
 # %%
-def library_context_parallel(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import (
-        context_parallel_unshard,
-    )
-
-    mesh = init_device_mesh("cuda", (world_size,))
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 1024, 64, device=f"cuda:{rank}") for _ in range(3))
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # q is sharded
-    (out,) = context_parallel_unshard(mesh, [out], [2])
-    return (out - want).abs().max().item()
+def capacity_plot(factor=1.25):
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    for i, (stage, load) in enumerate(loads.items()):
+        lost, capacity = dropped(load, factor, len(batch))
+        ax.bar(torch.arange(N_EXPERTS) + 0.4 * i, load, width=0.4,
+               label=f"{stage} balancing: {lost / load.sum().item():.0%} dropped")
+    ax.axhline(capacity, color="k", linestyle="--", label=f"capacity {capacity}")
+    ax.set(xlabel="expert", ylabel="assignments", title=f"capacity factor {factor}")
+    ax.legend(fontsize=8)
+    plt.show()
 
 
-if gpu_count() >= 2:
-    n = gpu_count()
-    worst = max(r.value for r in launch(library_context_parallel, n, timeout=120))
-    print(f"context_parallel on {n} GPUs: largest difference from one GPU {worst:.1e}")
-else:
-    print(f"context_parallel not run: it needs a GPU per rank ({gpu_count()} GPU "
-          "here); on CPU tensors it never returns")
+widgets.interact(capacity_plot, factor=widgets.FloatSlider(
+    min=0.5, max=3.0, step=0.25, value=1.25, description="factor",
+    continuous_update=False));
 
 # %% [markdown]
-# Published figures from long-context and mixture-of-experts systems. Llama 3
-# trained its 405B model first on 8K-token sequences, then on 128K-token ones
-# with context parallelism over 16 GPUs (all-gather based, zig-zag chunks):
+# ## 6. GPU figures
+#
+# The library's `context_parallel` ran above on GPUs when there were two;
+# these are published figures from long-context and mixture-of-experts
+# systems. Llama 3 trained its 405B model first on 8K-token sequences, then on
+# 128K-token ones with context parallelism over 16 GPUs (all-gather based,
+# zig-zag chunks):
 
 # %%
 for key in ("llama3.cp1_8k_tflops_per_gpu", "llama3.cp16_128k_tflops_per_gpu",
@@ -624,38 +911,41 @@ print(f"-> with 16 times longer sequences split over 16 GPUs, Llama 3 kept {kept
 
 # %% [markdown]
 # Ring attention hides its transfers when computing with one K/V block takes
-# longer than passing the next one on. Predicted with the course's calibrated
-# models (achieved FLOP/s and launch cost for the kernel; NCCL's reached
-# NVLink rate and a measured collective latency for the transfer), for H100
-# SXM GPUs, a Llama-3-70B-like layer (64 query heads of 128, 8 K/V heads), bf16,
-# one ring step on 8 GPUs:
+# longer than passing the next one on. Predicted with the course's step
+# model (a fused attention kernel's fraction of the bf16 peak for the block;
+# NCCL's reached NVLink rate plus a collective's latency for the transfer),
+# for H100 SXM GPUs, a Llama-3-70B-like layer (64 query heads of 128, 8 K/V
+# heads), one ring step on 8 GPUs:
 
 # %%
 N_GPU, Q_HEADS, KV_HEADS, DIM = 8, 64, 8, 128
 for seq in (8192, 32768, 131072):
     c = seq // N_GPU
-    compute = predict.kernel_seconds(4 * c * c * Q_HEADS * DIM,
-                                     2 * (2 * c * Q_HEADS * DIM + 2 * c * KV_HEADS * DIM),
-                                     "h100_sxm", "bf16")
+    compute = predict.attention_seconds(4 * c * c * Q_HEADS * DIM, "h100_sxm",
+                                        math="bf16")
     transfer = predict.exchange_seconds(2 * c * KV_HEADS * DIM * 2, 1, "nvlink_h100",
                                         "H100 SXM, NVLink")
     print(f"S = {seq:6d}: block attention {compute.value * 1e6:7.1f} us, K/V transfer "
           f"{transfer.value * 1e6:5.1f} us -> "
-          + ("hidden" if compute.value > transfer.value else "exposed"))
+          + (f"hidden ({compute.value / transfer.value:.0f}x)"
+             if compute.value > transfer.value else "exposed"))
 print(f"[{compute.label}]\n[{transfer.label}]")
-print("caveat: not calibrated for attention: the block runs at a large matmul's "
-      "rate, and no published measurement of an attention kernel was found")
+print(f"caveat: the transfer's latency is an 8-GPU all-reduce's "
+      f"({predict.collective_latency() * 1e6:.0f} us) standing in for one send to a "
+      "neighbour, likely shorter: no published point-to-point latency was found")
 
 # %% [markdown]
 # The compute per step grows as `(S/N)^2` and the transfer as `S/N`, so the
-# longer the sequence, the better the ring hides its communication; at short
-# lengths the transfer's fixed latency is what shows. Grouped K/V heads (8
-# instead of 64) shrink the messages. The all-to-all of an MoE layer does not
+# longer the sequence, the more room the ring has to hide its communication
+# (the verdicts above say where it runs out, if anywhere); at short lengths
+# the transfer is mostly its fixed latency. Grouped K/V heads (8 instead of
+# 64) shrink the messages. The all-to-all of an MoE layer does not
 # shrink that way: every token travels twice per layer, which is why
 # DeepSeek-V3's authors worked to overlap it with computation almost entirely
 # (their README says so of cross-node MoE training). Predicted for one
-# MoE layer's dispatch on 8 H100s with DeepSeek-V3's shapes, each GPU sending
-# `(N-1)/N` of its `T k` rows in bf16:
+# MoE layer's dispatch on 8 H100s with DeepSeek-V3's shapes, counting one row
+# per (token, expert) pair (no de-duplication), each GPU sending `(N-1)/N` of
+# its `T k` rows in bf16:
 
 # %%
 shapes = reference.published("deepseek_v3.experts_per_token")
@@ -668,6 +958,12 @@ for tokens_per_gpu in (4096, 16384):
     print(f"{tokens_per_gpu} tokens per GPU: dispatch {f.value * 1e3:.2f} ms per "
           "layer, and as much again to combine")
 print(f"[{f.label}]")
+experts = shapes.extra["routed_experts"]
+distinct = N_GPU * (1 - math.comb(experts - experts // N_GPU, top_k)
+                    / math.comb(experts, top_k))
+print(f"one row per (token, expert): were experts chosen uniformly, a token's "
+      f"{top_k} would sit on {distinct:.1f} GPUs on average, and one copy per "
+      f"destination would send {distinct / top_k:.0%} of these rows")
 
 # %% [markdown]
 # ## Summary
@@ -682,11 +978,16 @@ print(f"[{f.label}]")
 # - An autograd all-gather makes it trainable. Compare gradients with one
 #   process: `torch.distributed.nn.functional.all_gather` gave wrong K/V
 #   gradients here; `all_gather_single_autograd` is exact.
+# - `context_parallel` all-gathers K/V by default in torch 2.13 (the ring is
+#   `set_rotate_method("alltoall")`), balances head-tail only when `2N`
+#   divides `S`, and raises on CPU ranks.
+# - Ulysses trades the sequence split for a head split with two all-to-alls:
+#   constant volume when `S` and `N` grow together, but at most as many ranks
+#   as K/V heads, and more traffic than the ring under GQA.
 # - Expert parallelism dispatches tokens with two `all_to_all_single`s with
-#   uneven splits, counts exchanged first; it equals one process. Routers
-#   overload experts: capacity factors bound buffers and drop tokens, a
-#   balancing loss spreads the load.
-# - `context_parallel` is the library's ring attention, for CUDA kernels.
+#   variable splits, counts exchanged first, and drops nothing: it equals one
+#   process. A balancing loss (or DeepSeek-V3's bias) spreads the load;
+#   capacity factors, the older design, bound buffers by dropping tokens.
 
 # %% [markdown]
 # ## Exercises
@@ -697,9 +998,10 @@ print(f"[{f.label}]")
 # over `k`, `v` (shapes `(batch, heads, S, d)`), computed over blocks of at most
 # `block` keys at a time and merged with the log-sum-exp rule, as one rank of a
 # ring does. It must equal `F.scaled_dot_product_attention(q, k, v,
-# is_causal=causal)` for any `S` (not only multiples of `block`), and it must
-# never build the full `S x S` score matrix: the checker watches the size of
-# every tensor your function creates.
+# is_causal=causal)` for any `S` (not only multiples of `block`) and keep the
+# inputs' dtype, and it must never compute with more than `block` keys at once
+# (no `S x S` matrix, no `S x 2 block` either): the checker watches the shape
+# of every tensor your function creates.
 
 # %% tags=["exercise"] exercise="11.1"
 def blockwise_attention(q, k, v, block, causal=False):
@@ -725,7 +1027,7 @@ check_blockwise_attention(blockwise_attention)
 # %% [markdown]
 # ### Exercise 11.2: dispatch with a capacity
 #
-# Write the sending side of an expert-parallel dispatch with a capacity:
+# Write the sending side of the older, capacity-limited dispatch:
 # `plan_dispatch(expert_idx, n_experts, world_size, capacity)`. `expert_idx`
 # is this rank's `(T, k)` tensor of chosen experts (column 0 the first
 # choice); experts `0 .. n_experts - 1` are spread over the ranks in equal,
@@ -735,7 +1037,7 @@ check_blockwise_attention(blockwise_attention)
 # the rest are dropped. Return `(order, send_counts)`: `order` lists the kept
 # assignments' numbers, grouped by destination rank (rank 0's first), and
 # `send_counts[r]` is how many go to rank `r`. The checker tries skewed
-# routings for 2 and 3 ranks, then runs the real exchange with your plans on 3
+# routings for 2, 3 and 4 ranks, then runs the real exchange with your plans on 3
 # ranks and compares the layer with one process.
 
 # %% tags=["exercise"] exercise="11.2"
@@ -760,22 +1062,24 @@ def plan_dispatch(expert_idx, n_experts, world_size, capacity):
 check_plan_dispatch(plan_dispatch)
 
 # %% [markdown]
-# ### Exercise 11.3: predict, then run
+# ### Exercise 11.3: predict a layout's work
 #
-# Predict how many query-key scores each rank of section 2's causal ring
-# computes: `predict_scores(seq_len, world_size, layout)` returns a list with
-# one number per rank, for `layout` `"contiguous"` or `"zigzag"`. Remember that
-# a diagonal block is computed whole, masked half included. The checker runs
-# the ring on 2 and 3 ranks and counts.
+# Section 2's causal ring runs any `layout`: `layout[r]` lists the chunks
+# rank `r` holds (every rank the same number), the sequence being cut into
+# as many equal chunks as the layout lists in all. Write
+# `predict_scores(seq_len, layout)`: how many query-key scores each rank
+# computes, one number per rank, without running anything. A diagonal block
+# is computed whole, masked half included; a block whose keys all come later
+# is skipped. The checker runs the real ring on layouts not shown here (2 and
+# 3 ranks, chunks dealt out in other orders, more than two per rank) and
+# counts.
 
 # %% tags=["exercise"] exercise="11.3"
-def predict_scores(seq_len, world_size, layout):
+def predict_scores(seq_len, layout):
     ### BEGIN SOLUTION
-    if layout == "contiguous":
-        c = seq_len // world_size
-        return [(r + 1) * c * c for r in range(world_size)]
-    c = seq_len // (2 * world_size)
-    return [(2 * world_size + 1) * c * c for _ in range(world_size)]
+    c = seq_len // sum(map(len, layout))
+    every = [chunk for chunks in layout for chunk in chunks]
+    return [sum(c * c for qc in mine for kc in every if kc <= qc) for mine in layout]
     ### END SOLUTION
 
 
