@@ -829,9 +829,10 @@ print("verdict: " + ("the same pattern on both ranks - right for replicated "
 # its matmul, and its reduce-scatter waits for the matmul: plain TP leaves
 # them on the critical path. *Async TP* splits each pair into chunks, so
 # that one chunk travels while the previous one multiplies. torchtitan
-# ships it as a `torch.compile` pass (its `enable_async_tensor_parallel`
-# option, built on the private `torch.distributed._symmetric_memory`). Its
-# published measurement:
+# ships it (its `enable_async_tensor_parallel` option, with `torch.compile`):
+# the option turns on Inductor's private `_micro_pipeline_tp` pass and
+# registers the TP group with `torch.distributed._symmetric_memory`, also
+# private. Its published measurement:
 
 # %%
 for model_name, n in (("70b", "fsdp32_tp8_bf16_256xh100"),

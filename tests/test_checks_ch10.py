@@ -284,7 +284,7 @@ def attn_only_rank0_reduces(x, wq, wk, wv, wo, n_heads):  # a collective on one 
 
 
 def test_attention_hang_is_stopped(monkeypatch):
-    monkeypatch.setattr(ch10, "TIMEOUT_S", 8)
+    monkeypatch.setattr(ch10, "WAIT_S", 5)
     text = rejected(ch10.check_head_parallel_attention, attn_only_rank0_reduces)
     assert "same collectives" in text, text
 
@@ -540,6 +540,18 @@ def test_plan_wrong_answers_fail_with_their_mistake(plan_results, fn):
     text = rejected(ch10.judge_plan, plan_results[fn])
     for word in WRONG_PLANS[fn]:
         assert word in text, text
+
+
+def plan_ranks_wait_for_each_other(model, mesh, sequence_parallel):
+    waiting = torch.zeros(1)
+    dist.recv(waiting, src=1 - dist.get_rank())  # each rank waits for the other
+    return plan_solution(model, mesh, sequence_parallel)
+
+
+def test_plan_hang_is_stopped_by_the_collective_wait(monkeypatch):
+    monkeypatch.setattr(ch10, "WAIT_S", 5)
+    text = rejected(ch10.check_parallelize_plan, plan_ranks_wait_for_each_other)
+    assert "never called" in text and "same collectives" in text, text
 
 
 def test_plan_checker_end_to_end(capsys):

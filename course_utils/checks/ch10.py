@@ -17,7 +17,10 @@ on CPU ranks on any machine, with a timeout) and judges what it does:
   and 3 (measured once, then cached).
 
 The ``_*_rank`` functions take a list of answers, so that the tests can judge
-many answers in one launch; the checkers pass one.
+many answers in one launch; the checkers pass one. Every launch runs its ranks
+in a group whose collectives give up after ``WAIT_S`` seconds, so that an
+answer whose ranks wait for each other gets its verdict in seconds, not at
+the launch's limit.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -35,26 +39,57 @@ from torch import nn
 from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import call_learner, fail, passed, require_solution
 
-TIMEOUT_S = 60  # a rank that waits longer waits for a collective nobody else calls
+TIMEOUT_S = 60  # the whole launch, a last resort: WAIT_S ends a hang first
 DTENSOR_TIMEOUT_S = 180  # DTensor launches: seconds of CPU, far more on a busy machine
+# how long a rank waits in one collective for its peers: the ranks do the same
+# work in step, so a wait this long means a collective nobody else calls
+WAIT_S = 12
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _in_group(rank: int, world_size: int, rank_fn: Callable, wait_s: float,
+              *args):
+    """``rank_fn`` in a gloo group whose collectives give up after ``wait_s``.
+
+    The ranks meet first through a store that waits as long as the launch
+    (on a busy machine one rank may start seconds after another); only then
+    is the group made with the short wait.
+    """
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=wait_s))
+    value = rank_fn(rank, world_size, *args)
+    dist.destroy_process_group()
+    store.add("finished", 1)
+    while rank == 0 and store.add("finished", 0) < world_size:
+        time.sleep(0.01)  # rank 0 serves the store: it leaves last
+    return value
 
 
 def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
          timeout: float | None = None) -> list:
     """Launch ``rank_fn`` on ``world_size`` gloo ranks; a failure becomes a message."""
+    hang = ("a rank waited in a collective that another rank never called: every "
+            "rank must call the same collectives, in the same order")
     try:
-        return [r.value for r in launch(rank_fn, world_size, args=args,
-                                        timeout=timeout or TIMEOUT_S,
+        return [r.value for r in launch(_in_group, world_size,
+                                        args=(rank_fn, WAIT_S, *args),
+                                        timeout=timeout or TIMEOUT_S, init=False,
                                         backend="gloo", echo=False)]
     except RankFailed as e:
         first = str(e).splitlines()[0]
         fail(exercise, "every rank to finish", first[:200],
+             hang if _waited(first) else
              "every rank must call the same collectives, in the same order")
     except LaunchTimeout as e:
-        fail(exercise, "every rank to finish", str(e).splitlines()[0],
-             "a rank waited in a collective that another rank never called: every "
-             "rank must call the same collectives, in the same order")
+        fail(exercise, "every rank to finish", str(e).splitlines()[0], hang)
 
 
 def _error(e: Exception) -> str:
@@ -425,12 +460,24 @@ def _plan_rank(rank: int, world_size: int, fns: list, seed: int = 0) -> list:
                 per_mode[sp] = r
             except Exception as e:
                 per_mode[sp] = {"error": _error(e)}
+                if _waited(per_mode[sp]["error"]):  # the other mode would wait too
+                    per_mode[not sp] = per_mode[sp]
+                    break
         results.append(per_mode)
     return results
 
 
+def _waited(err: str) -> bool:
+    """Whether an error says a rank gave up waiting in a collective."""
+    return any(k in err for k in ("imed out", "imeout", "by peer"))
+
+
 def _error_hint(err: str, sp: bool, other_ran: bool) -> str:
     """The hint for an error, from what the answer did in the other mode too."""
+    if _waited(err):
+        return ("a rank waited in a collective that another rank never called: "
+                "every rank must run the same plan and call the same collectives, "
+                "in the same order")
     if "batch_size" in err:
         return ("under sequence parallelism the embedding must return sequence "
                 "shards: RowwiseParallel(input_layouts=Replicate(), "
