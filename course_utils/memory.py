@@ -9,14 +9,15 @@ number on every rank and on every run - unlike RSS, and unlike the
 profiler's cumulative counter. They work on the CPU and on fake tensors.
 
 - ``track_step(step, ...)``: run one training step under a tracker; return
-  the peak, by category, in bytes.
+  the peak, by category, in bytes; ``parts`` groups the categories into the
+  five a chapter plots (``plot_parts``).
 - ``storage_bytes(tensors)``: bytes of the distinct storages behind tensors.
 - ``Llama``: a Llama-2-7B-shaped decoder (fused q/k/v, SwiGLU, RMSNorm).
-- ``fsdp2_peak_on_fake_ranks(world_sizes, ...)``: run the real FSDP2 code
-  (``fully_shard`` per block and root, Adam, one step) on a fake process
-  group with fake tensors, in a child process (or here, ``in_process=True``):
-  the peak bytes one rank would hold, predicted without allocating them.
-  Later chapters reuse it.
+- ``fsdp2_peak_on_fake_ranks(world_sizes, ...)``: the fake-tensor run that
+  Chapter 9 shows and explains (``fully_shard`` per block and root, Adam,
+  the second step measured) for many world sizes, in a child process (or
+  here, ``in_process=True``), to recompute the tables below. Later chapters
+  reuse it.
 - ``LLAMA2_7B_FSDP2``: that prediction for the 32-layer model on 1 to 64
   ranks, computed by ``python -m course_utils.memory`` (about 10 s per world
   size), so that a chapter can show the whole curve; and
@@ -73,6 +74,47 @@ def by_category(snapshot: dict) -> dict[str, int]:
     return out
 
 
+# the five parts a chapter plots: FSDP2's categories grouped by what they hold
+PARTS = {
+    "parameters": ("parameters", "gathered parameters"),
+    "gradients": ("gradients", "full gradients"),
+    "optimizer state": ("optimizer state",),
+    "activations": ("activations",),
+}
+OTHER_PART = "buffers and temporaries"
+
+
+def parts(peak: dict[str, int]) -> dict[str, int]:
+    """A peak by category grouped into ``PARTS`` plus ``OTHER_PART`` (the
+    rest: all-gather and reduce-scatter buffers, temporaries, inputs, module
+    buffers). The parts add up to ``peak["total"]``. Chapter 9."""
+    out = {name: sum(peak.get(c, 0) for c in cats) for name, cats in PARTS.items()}
+    out[OTHER_PART] = peak["total"] - sum(out.values())
+    return out
+
+
+def plot_parts(table: dict[int, dict[str, int]], ax, capacity_gb: float | None = None,
+               capacity_label: str = "") -> None:
+    """Stacked bars, one per world size, of ``parts(table[n])`` in GB (1e9
+    bytes), the total printed on each bar; a dotted line at ``capacity_gb``.
+    Chapter 9."""
+    ns = sorted(table)
+    labels = [str(n) for n in ns]
+    bottom = [0.0] * len(ns)
+    for i, name in enumerate([*PARTS, OTHER_PART]):
+        values = [parts(table[n])[name] / 1e9 for n in ns]
+        ax.bar(labels, values, bottom=bottom, label=name, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.plot(labels, bottom, "ko", ms=3, label="total (computed point)")
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.1f}", (x, total), xytext=(0, 4), ha="center",
+                    textcoords="offset points", fontsize=7)
+    if capacity_gb is not None:
+        ax.axhline(capacity_gb, color="gray", linestyle=":", label=capacity_label)
+    ax.set_ylim(0, max([*bottom, capacity_gb or 0]) * 1.15)
+    ax.legend(fontsize=7, ncol=2)
+
+
 def track_step(step: Callable[[], object], *external: nn.Module | torch.optim.Optimizer
                | torch.Tensor, fsdp_model: nn.Module | None = None,
                optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -84,12 +126,12 @@ def track_step(step: Callable[[], object], *external: nn.Module | torch.optim.Op
     ``optimizer``): FSDP2's own categories (gathered parameters, all-gather
     buffers) are then reported. Chapter 9.
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from course_utils.compat import MemTracker
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the trackers' notes on hooks and views
         if fsdp_model is not None:
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+            from course_utils.compat import FSDPMemTracker
 
             tracker = FSDPMemTracker(fsdp_model, optimizer)
             tensors = [t for t in external if isinstance(t, torch.Tensor)]
@@ -166,12 +208,13 @@ class Llama(nn.Module):
 
 
 def _fake_step_peak(n: int, layers: int, seq: int, batch: int) -> dict:
-    """FSDP2 + Adam, one step on fake tensors, in a fake group of ``n`` ranks."""
+    """FSDP2 + Adam, two steps on fake tensors (the second measured), ``n`` ranks."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from course_utils.compat import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
@@ -192,6 +235,7 @@ def _fake_step_peak(n: int, layers: int, seq: int, batch: int) -> dict:
                 opt.step()
                 opt.zero_grad()
 
+            step()  # the first step creates Adam's state: measure the second
             peak = track_step(step, tokens, fsdp_model=model, optimizer=opt)
     finally:
         dist.destroy_process_group()
@@ -213,9 +257,9 @@ def fsdp2_peak_on_fake_ranks(world_sizes: Sequence[int], layers: int = 32,
     For each world size ``n``, a fake process group of ``n`` ranks (its
     collectives do nothing) and ``FakeTensorMode`` (tensors with shapes and
     no data) let the real code run: ``Llama(layers=layers)`` in fp32,
-    ``fully_shard`` on every block and on the root, Adam, one forward,
-    backward and optimizer step on ``batch`` sequences of ``seq`` tokens,
-    measured by ``FSDPMemTracker``. Returns ``{n: {"parameters": count,
+    ``fully_shard`` on every block and on the root, Adam, two training steps
+    on ``batch`` sequences of ``seq`` tokens, the second (Adam's state
+    exists) measured by ``FSDPMemTracker``. Returns ``{n: {"parameters": count,
     "peak": {category: bytes}}}``. What it leaves out: the caching
     allocator's slack and fragmentation, CUDA/NCCL workspaces, and
     communication buffers that a real GPU run keeps while overlapping.
@@ -242,47 +286,55 @@ def fsdp2_peak_on_fake_ranks(world_sizes: Sequence[int], layers: int = 32,
 
 # Computed by `python -m course_utils.memory` with torch 2.13.0 (CPU wheel):
 # fsdp2_peak_on_fake_ranks([1, 2, 4, 8, 16, 32, 64]), Llama-2-7B shapes, fp32,
-# Adam, 1 x 2048 tokens: {world size: {category: bytes at the step's peak}}.
+# Adam, 1 x 2048 tokens, the second training step (Adam's state exists):
+# {world size: {category: bytes at that step's peak}}.
 LLAMA2_7B_FSDP2: dict[int, dict[str, int]] = {
     1: {
-        "activations": 262144000, "gradients": 26953662464, "inputs": 16384,
-        "optimizer state": 56004477836, "parameters": 26953662464,
-        "total": 110173963148,
+        "activations": 868499464, "gathered parameters": 1858125824,
+        "gradients": 25095536640, "inputs": 16384, "optimizer state": 53907325836,
+        "parameters": 26953662464, "temporaries": 1818279936, "total": 110501446548,
     },
     2: {
-        "activations": 262144000, "gradients": 13476831232, "inputs": 16384,
-        "optimizer state": 28788671372, "parameters": 13476831232,
-        "total": 56004494220,
+        "activations": 21764489224, "all-gather buffers": 809533440,
+        "gathered parameters": 1858125824, "gradients": 404766720, "inputs": 16384,
+        "optimizer state": 26953663372, "parameters": 13476831232,
+        "reduce-scatter buffers": 809533440, "temporaries": 1008746496,
+        "total": 67085706132,
     },
     4: {
         "activations": 21764489224, "all-gather buffers": 809533440,
         "gathered parameters": 1858125824, "gradients": 202383360, "inputs": 16384,
-        "parameters": 6738415616, "reduce-scatter buffers": 809533440,
-        "temporaries": 1008746496, "total": 33191243784,
+        "optimizer state": 13476832140, "parameters": 6738415616,
+        "reduce-scatter buffers": 809533440, "temporaries": 1008746496,
+        "total": 46668075924,
     },
     8: {
         "activations": 21764489224, "all-gather buffers": 809533440,
         "gathered parameters": 1858125824, "gradients": 101191680, "inputs": 16384,
-        "parameters": 3369207808, "reduce-scatter buffers": 809533440,
-        "temporaries": 1008746496, "total": 29720844296,
+        "optimizer state": 6738416524, "parameters": 3369207808,
+        "reduce-scatter buffers": 809533440, "temporaries": 1008746496,
+        "total": 36459260820,
     },
     16: {
         "activations": 21764489224, "all-gather buffers": 809533440,
         "gathered parameters": 1858125824, "gradients": 50595840, "inputs": 16384,
-        "parameters": 1684603904, "reduce-scatter buffers": 809533440,
-        "temporaries": 1008746496, "total": 27985644552,
+        "optimizer state": 3369208716, "parameters": 1684603904,
+        "reduce-scatter buffers": 809533440, "temporaries": 1008746496,
+        "total": 31354853268,
     },
     32: {
         "activations": 21764489224, "all-gather buffers": 809533440,
         "gathered parameters": 1858125824, "gradients": 25297920, "inputs": 16384,
-        "parameters": 842301952, "reduce-scatter buffers": 809533440,
-        "temporaries": 1008746496, "total": 27118044680,
+        "optimizer state": 1684604812, "parameters": 842301952,
+        "reduce-scatter buffers": 809533440, "temporaries": 1008746496,
+        "total": 28802649492,
     },
     64: {
         "activations": 21764489224, "all-gather buffers": 809533440,
         "gathered parameters": 1858125824, "gradients": 12648960, "inputs": 16384,
-        "parameters": 421150976, "reduce-scatter buffers": 809533440,
-        "temporaries": 1008746496, "total": 26684244744,
+        "optimizer state": 842302860, "parameters": 421150976,
+        "reduce-scatter buffers": 809533440, "temporaries": 1008746496,
+        "total": 27526547604,
     },
 }
 LLAMA2_7B_PARAMETERS = 6738415616
@@ -293,7 +345,8 @@ LLAMA2_2_LAYERS_FSDP2: dict[int, dict[str, int]] = {
     8: {
         "activations": 1565032456, "all-gather buffers": 809533440,
         "gathered parameters": 1858125824, "inputs": 16384,
-        "parameters": 333457408, "temporaries": 1008746496, "total": 5574912008,
+        "optimizer state": 666914884, "parameters": 333457408,
+        "temporaries": 1008746496, "total": 6241826892,
     },
 }
 
