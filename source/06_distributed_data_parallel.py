@@ -229,12 +229,15 @@ if __name__ == "__main__":
 # Run it with `torchrun --standalone --nproc_per_node=2`, here as
 # `python -m torch.distributed.run` with this notebook's Python. `--standalone`
 # runs the rendezvous on this machine; `--tee=3` copies each worker's output
-# to torchrun's, each line prefixed with the worker's local rank.
+# to torchrun's, prefixed with its local rank. By default each worker is a
+# fresh Python importing torch again (seconds of CPU); `--run-path
+# --start-method=fork` forks them from torchrun instead.
 
 # %%
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 start = time.perf_counter()
-run_command(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--tee=3", SCRIPT],
+run_command(TORCHRUN + ["--standalone", "--nproc_per_node=2", "--tee=3", "--run-path",
+                        "--start-method=fork", SCRIPT],
             WORK, LIMIT_S, attempts=2)  # see below: a rare crash at exit
 print(f"torchrun took {time.perf_counter() - start:.1f} s in all")
 
@@ -253,8 +256,7 @@ print(f"torchrun took {time.perf_counter() - start:.1f} s in all")
 # `optim = optim.Adam(...)` rebinds the `torch.optim` module's name: the next
 # `optim.` call breaks, and inside a function it raises `UnboundLocalError`.
 # Newer than the slides: `init_process_group(device_id=...)` binds each rank to
-# its GPU, so that `barrier`, which has no tensor to go by, knows which GPU to
-# use.
+# its GPU, so that `barrier` (no tensor to go by) knows which one to use.
 #
 # **Two shutdown traps (torch 2.13, gloo).** The script frees the DDP model
 # before `destroy_process_group()`: otherwise the reducer, the group's last
@@ -708,7 +710,7 @@ print("local losses", [v[0] for v in values], "- logged mean on every rank",
 # `torch.distributed.launcher.api.elastic_launch`, which runs the *agent*: it
 # joins the rendezvous, then starts and watches the workers. Below, each of two
 # "nodes" is a forked process running that very agent code, with forked
-# workers instead of fresh interpreters (section 2 showed their cost).
+# workers as in section 2.
 
 # %%
 def run_path(path):

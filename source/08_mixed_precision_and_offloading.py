@@ -344,7 +344,10 @@ except ValueError as e:
 #
 # On Ampere and newer GPUs, fp32 matmuls can run on tensor cores in tf32 (10
 # mantissa bits), several times faster and slightly less accurate. PyTorch
-# keeps them off for matmuls by default. Two APIs switch it: the legacy
+# keeps them off for matmuls by default, but cuDNN's convolutions use tf32
+# by default (`torch.backends.cudnn.conv.fp32_precision` is `"tf32"`): an
+# fp32 convolution network on an Ampere GPU already runs in tf32. Two APIs
+# switch it for matmuls: the legacy
 # `torch.backends.cuda.matmul.allow_tf32` /
 # `torch.set_float32_matmul_precision("high")`, and, in recent releases, a
 # per-backend `fp32_precision` setting; mixing the two raises an error when
@@ -358,6 +361,7 @@ except ValueError as e:
 
 # %%
 print("float32 matmul precision:", torch.get_float32_matmul_precision())
+print("cuDNN convolutions, fp32_precision:", torch.backends.cudnn.conv.fp32_precision)
 cuda_mm = torch.backends.cuda.matmul  # settable, and readable, without a GPU
 old_cuda = cuda_mm.fp32_precision
 print(f"CUDA matmul: fp32_precision {old_cuda!r}, legacy allow_tf32 "
