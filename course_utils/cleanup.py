@@ -7,7 +7,8 @@
   which outlives it, removes the folder and multiprocessing's own folder.
 - ``end_interrupts_in_one_line()``, installed by ``banner()``: an interrupt
   (the stop button, a restart mid-cell) stops every process the interrupted
-  cell started and reads as one line instead of a traceback.
+  cell started and reads as one line instead of a traceback; and the
+  kernel's multiprocessing folder is watched like a scratch folder.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ while chunk := os.read(fd, 4096):  # until the notebook's end of the pipe closes
     buf += chunk
     *lines, buf = buf.split(b"\\n")
     folders.update(line.decode() for line in lines)
-for folder in folders:
-    shutil.rmtree(folder, ignore_errors=True)
+if "" not in folders:  # an empty line: the notebook ended its own way
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 """
 
 # multiprocessing's own helpers stay for the kernel's life by design
@@ -69,17 +71,38 @@ def _start_watchdog() -> int:
     return write
 
 
+def stop_watchdog() -> None:
+    """End the watchdog, leaving its folders to their owners (tests)."""
+    if _watchdog.get("pid") == os.getpid():
+        with contextlib.suppress(OSError):
+            os.write(_watchdog["fd"], b"\n")
+            os.close(_watchdog["fd"])
+        _watchdog["proc"].wait(timeout=10)
+    _watchdog.clear()
+
+
 def _watch(folder: Path) -> None:
     os.write(_start_watchdog(), f"{folder}\n".encode())
+
+
+def watch_multiprocessing_folder() -> Path:
+    """Have the watchdog remove multiprocessing's folder if this process is killed.
+
+    That folder (the forkserver's socket) is removed at a normal exit only;
+    made now, it is the one every later pool and launch of this process uses.
+    """
+    folder = Path(mp_util.get_temp_dir())
+    if _watchdog.get("mp") != (os.getpid(), folder):
+        _watch(folder)
+        _watchdog["mp"] = (os.getpid(), folder)
+    return folder
 
 
 def scratch_folder(prefix: str) -> Path:
     """A new temporary folder that is removed with the chapter, however it ends."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     _watch(folder)
-    # multiprocessing's folder (the forkserver's socket) is removed at a normal
-    # exit only: made now, it is the one every later pool and launch uses
-    _watch(Path(mp_util.get_temp_dir()))
+    watch_multiprocessing_folder()
     if not _folders:
         atexit.register(_remove_all)
     _folders.append(folder)
@@ -198,4 +221,5 @@ def end_interrupts_in_one_line(shell=None) -> bool:
     shell.events.register("pre_run_cell", remember)
     shell.set_custom_exc((KeyboardInterrupt,), on_interrupt)
     shell._course_interrupts = True
+    watch_multiprocessing_folder()  # a kernel killed by a restart leaves none
     return True

@@ -120,8 +120,12 @@ def seed_gpu_columns(sizes, gpu: str = "h100_sxm") -> reference.Figure:
     right = reference.predicted(
         {"x": list(predicted), "y": [f.value for f in predicted.values()]},
         "s", predict.gpu_name(gpu),
-        "1000 x max(launch cost, GPU time at the achieved HBM rate)",
-        [*predict.LAUNCH_INPUTS, *predict.MEMORY_EFFICIENCY_INPUTS])
+        "1000 x max(launch cost, time to read and write the tensor at "
+        f"{predict.memory_efficiency():.0%} of the datasheet's "
+        f"{predict.memory_bandwidth(gpu) / 1e9:,.0f} GB/s; that fraction is what a "
+        "T4's device-to-device copy reaches of its own datasheet bandwidth)",
+        [f"{gpu}.memory_bandwidth_gbps", *predict.LAUNCH_INPUTS,
+         *predict.MEMORY_EFFICIENCY_INPUTS])
 
     def table(fig):
         pairs = zip(*curve_xy(fig.value), strict=True)

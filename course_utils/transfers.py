@@ -342,7 +342,7 @@ def kernel_spans(run: Callable, device) -> list[tuple]:
     kernels = [e for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA
                and not any(w in e.name.lower() for w in ("memcpy", "memset", "sleep"))]
-    t0 = min(e.time_range.start for e in kernels)
+    t0 = min((e.time_range.start for e in kernels), default=0)  # none: []
     return [(f"GPU stream {e.device_resource_id}", (e.time_range.start - t0) / 1e6,
              (e.time_range.end - t0) / 1e6, "mm") for e in kernels]
 
@@ -388,6 +388,10 @@ def show_two_stream_timelines(side, device) -> None:
                        lambda: two_matmuls(1024, 4, main, device), device),
                    "two_streams": kernel_spans(
                        lambda: two_matmuls(1024, 4, side, device), device)}
+        if not all(kernels.values()):  # no CUPTI (some containers, some drivers)
+            print("torch.profiler saw no GPU kernels here (its CUDA activity "
+                  "tracing is unavailable): no kernel timeline")
+            return
         plot_runs([(spans, f"{key}: kernels as torch.profiler saw them")
                    for key, spans in kernels.items()],
                   kind_of=reference.measured(0.0, "s", device))

@@ -934,14 +934,15 @@ registers_per_sm = h100["register_file_per_sm_kb"].value * 1024 // 4  # 32-bit e
 shared_per_sm = h100["shared_memory_per_sm_kb"].value * 1024
 
 
-def occupancy(threads_per_block, registers_per_thread, shared_per_block):
-    """Resident warps per SM, and which limit binds (no rounding to granules)."""
+def occupancy(threads_per_block, registers_per_thread, shared_per_block,
+              sm=(max_warps, registers_per_sm, shared_per_sm)):
+    """Resident warps per SM (an H100's by default), and which limit binds."""
+    warps, registers, shared = sm  # no rounding to granules
     warps_per_block = -(-threads_per_block // 32)
     limits = {
-        "warps": max_warps // warps_per_block,
-        "registers": registers_per_sm // (registers_per_thread * threads_per_block),
-        "shared memory": (shared_per_sm // shared_per_block if shared_per_block
-                          else max_warps),
+        "warps": warps // warps_per_block,
+        "registers": registers // (registers_per_thread * threads_per_block),
+        "shared memory": shared // shared_per_block if shared_per_block else warps,
     }
     return min(limits.values()) * warps_per_block, min(limits, key=limits.get)
 
@@ -958,10 +959,16 @@ for what, tpb, regs, smem in kernel_shapes:
     warps, limiter = occupancy(tpb, regs, smem)
     print(f"{what:38} {tpb:4} threads {regs:4} regs {smem // 1024:4} KiB: {warps:3} "
           f"warps, occupancy {warps / max_warps:4.0%}, limited by {limiter}")
-if kernels_on_gpu:  # {argument types: registers per thread}, one per compiled version
+if kernels_on_gpu:  # registers compiled for this GPU: judged by its own limits
+    dev = cuda.get_current_device()
+    here = (dev.MAX_THREADS_PER_MULTI_PROCESSOR // 32,
+            dev.MAX_REGISTERS_PER_MULTIPROCESSOR,
+            dev.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
     for types, regs in matmul_tiled.get_regs_per_thread().items():
-        print(f"numba compiled matmul_tiled{types} to {regs} registers per thread: "
-              f"{occupancy(TILE * TILE, regs, 2 * TILE * TILE * 4)[0]} warps (H100)")
+        warps, limiter = occupancy(TILE * TILE, regs, 2 * TILE * TILE * 4, here)
+        print(f"numba compiled matmul_tiled{types} for this GPU to {regs} registers "
+              f"per thread: {warps} of its {here[0]} warps per SM, limited by "
+              f"{limiter}")
 print("sources:", "; ".join(sorted({reference.cite(f.extra) for f in h100.values()})))
 
 # %% [markdown]

@@ -120,30 +120,32 @@ print(f"after 1000 steps: {double_in_place(torch.ones(4)).tolist()}")
 # fastest of each: load from other programs can only add time, never remove it.
 
 # %%
-def value_cost(dev, n=1 << 16, rounds=5):
-    """Fastest median time of x + x on ordinary, infinite and subnormal values."""
+def value_cost(dev, n=1 << 16):
+    """x + x on ordinary, infinite and subnormal values, through the protocol."""
     values = {"ordinary": 1.0, "inf": float("inf"), "subnormal": 1e-40}
-    xs = {k: torch.full((n,), v, device=dev) for k, v in values.items()}
     out = torch.empty(n, device=dev)
-    times = {k: [] for k in values}
-    for _ in range(rounds):
-        for k, x in xs.items():
-            times[k].append(bench(torch.add, x, x, out=out, min_run_time=0.02).median)
-    return {k: min(ts) for k, ts in times.items()}
+
+    def adds(x):
+        def run():
+            for _ in range(100):
+                torch.add(x, x, out=out)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        return run
+    return compare({k: adds(torch.full((n,), v, device=dev))
+                    for k, v in values.items()}, repeats=5, number=25)
 
 
 for dev in [torch.device("cpu")] + ([device] if on_gpu else []):
-    cost = value_cost(dev)
-    print(f"{dev}: x + x on 65536 floats: ordinary {cost['ordinary'] * 1e6:.1f} us; "
-          f"inf / ordinary = {cost['inf'] / cost['ordinary']:.2f}, "
-          f"subnormal / ordinary = {cost['subnormal'] / cost['ordinary']:.2f}")
+    print(f"{dev}: 100 x (x + x) on 65536 floats, per call")
+    print(value_cost(dev))
 
 # %% [markdown]
-# A ratio close to 1 (within the noise of a shared machine) means those values
-# cost nothing extra on that device; a ratio well above 1, again when you
-# rerun the cell, means the hardware takes a slow path for them. The inf ratio
-# is the one that matters for the seed, whose loop runs on infinities from
-# step 128 on: the overflow makes its *results* meaningless, and the ratio
+# "The same within noise" means those values cost nothing extra on that
+# device; "slower" means the hardware takes a slow path for them, "faster" a
+# fast one, and "disturbed" that another program spoiled the runs (rerun the
+# cell). The inf verdict is the one that matters for the seed, whose loop runs on infinities from
+# step 128 on: the overflow makes its *results* meaningless, and the verdict
 # says whether it also bent its *timings*. We keep the seed's loop as it is.
 #
 # ### Try a size yourself
@@ -649,7 +651,7 @@ for dev, n in [(torch.device("cpu"), 256)] + ([(device, 2048)] if on_gpu else []
 # Now the seed's sweep, measured properly. Instead of 1000 doublings per size we
 # time *one* doubling with `bench` (median over many) and multiply by 1000 to
 # plot on the seed's scale - the queue no longer hides anything because `bench`
-# synchronises around every run. `sweep` runs the sizes with a progress bar.
+# synchronises around every run. `sweep` runs the sizes with a progress line.
 
 # %%
 def per_step(size, dev):
@@ -1072,8 +1074,8 @@ print("restored:", torch.get_num_threads(), "thread(s)")
 #
 # - CUDA calls return before the work is done. A timer around them measures the
 #   launches - which is why the seed's GPU times stayed flat at about 0.044 s.
-# - The seed's tensor overflows to inf at step 128 of 1000; the printed inf /
-#   ordinary ratio says whether that bent the timings on your devices.
+# - The seed's tensor overflows to inf at step 128 of 1000; the inf verdict
+#   says whether that bent the timings on your devices.
 # - Measure right: warm up, synchronise (or use CUDA events), repeat, take the
 #   median. `Benchmark` and `bench` do this and agree with
 #   `torch.utils.benchmark`.
@@ -1082,7 +1084,8 @@ print("restored:", torch.get_num_threads(), "thread(s)")
 #   record CUDA events between stages. `CUDA_LAUNCH_BLOCKING=1` moves a
 #   kernel's error back to the line that caused it (for debugging only).
 # - The CPU wins on small tensors (no launch overhead), the GPU on large ones
-#   (bandwidth and FLOP/s); the crossing point is measured, not assumed.
+#   (bandwidth and FLOP/s); a measured GPU curve places the crossing, a model
+#   without one cannot (the launch cost varies).
 # - In training loops, read values with `.item()` once per epoch or per logging
 #   interval, accumulate `loss.detach()`, and evaluate under `torch.no_grad()`.
 # - Reductions are fastest over the contiguous dimension; the penalty for a

@@ -693,10 +693,11 @@ print(f"embedding on cpu, head on {second}: output {tuple(out.shape)} on {out.de
 # %% [markdown]
 # The seeds' DataParallel notes, in short: `device_ids` defaults to every GPU
 # visible; `output_device` to `device_ids[0]`; the module's parameters must be
-# on `device_ids[0]` before wrapping it; `device_ids=[0]` runs the machinery on
-# one GPU without any parallelism; and device 0 carries the imbalance shown in
-# section 5. Seed 000's `nn.Softmax()` without `dim` is deprecated: see
-# Chapter 0.
+# on `device_ids[0]` whenever it runs (every forward checks; with one device
+# DataParallel moves the module there itself when wrapping it); `device_ids=[0]`
+# only moves the input to that GPU and calls the module, with no replicas and
+# no gather; and device 0 carries the imbalance shown in section 5. Seed 000's
+# `nn.Softmax()` without `dim` is deprecated: see Chapter 0.
 #
 # ## Summary
 #

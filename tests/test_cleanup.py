@@ -22,6 +22,13 @@ time.sleep(600)
 """
 
 
+@pytest.fixture(autouse=True)
+def no_watchdog_left():
+    """A watchdog started here ends with the test: later tests count children."""
+    yield
+    cleanup.stop_watchdog()
+
+
 def _gone_soon(path: Path, polls: int = 200) -> bool:
     for _ in range(polls):  # the watchdog acts when it is next scheduled
         if not path.exists():
@@ -58,6 +65,15 @@ def test_tidy_up_removes_the_folders_and_says_so(capsys):
     assert "still running: none" in out
     cleanup.tidy_up()  # twice: nothing to do, no error
     assert "removed 0 temporary folders" in capsys.readouterr().out
+
+
+def test_the_multiprocessing_folder_is_watched_once():
+    first = cleanup.watch_multiprocessing_folder()
+    proc = cleanup._watchdog["proc"]
+    assert cleanup.watch_multiprocessing_folder() == first
+    assert cleanup._watchdog["proc"] is proc  # one watchdog per process
+    cleanup.stop_watchdog()  # this process lives on: its folder stays
+    assert proc.returncode == 0 and first.exists()
 
 
 def test_an_interrupt_stops_what_the_cell_started_in_one_line():
