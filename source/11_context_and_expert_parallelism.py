@@ -68,7 +68,7 @@ torch.set_num_threads(1)  # this process only computes small tensors: one thread
 
 def rank_device(rank):
     """This rank's GPU under nccl, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in dist.get_backend():
         return torch.device(f"cuda:{rank}")
     return torch.device("cpu")
 
@@ -537,8 +537,9 @@ print(f"bytes each rank sent: Ulysses {format_bytes(runs[0][0][1])}, the ring "
 # | all-gather | the same, in one collective | all of K, V | memory |
 # | Ulysses | `(N-1)/N (2H + 2H_kv) s d`, blocking | `H_kv/N` heads | `N <= H_kv` |
 #
-# Grow `S` and `N` together (fixed `s`) and Ulysses's volume stays constant
-# while the ring's grows with `N` (the paper's claim). But Ulysses moves Q
+# Grow `S` and `N` together (fixed `s`) and Ulysses's volume stays nearly
+# constant (`(N-1)/N` creeps towards 1) while the ring's grows with `N` (the
+# paper's claim). But Ulysses moves Q
 # and the output too: with grouped K/V heads (GQA, e.g. 64 query heads and
 # 8 K/V heads) the ring sends less, and Ulysses cannot use more ranks than
 # K/V heads without copying K/V heads. The figure, for bf16 heads of 128:
@@ -600,8 +601,9 @@ def compare_designs(seq_k=128, heads=64, kv_heads=8, ranks=8):
     if heads % kv_heads or seq % ranks:
         print("K/V heads must divide the query heads, and ranks the sequence")
         return
-    sent, held = cp_bytes(seq, heads, kv_heads, ranks), kv_held(seq, heads, kv_heads,
-                                                                 ranks)
+    sent = cp_bytes(seq, heads, kv_heads, ranks)
+    held = {m: b if sent[m] else None  # no Ulysses with more ranks than heads
+            for m, b in kv_held(seq, heads, kv_heads, ranks).items()}
     fig, axes = plt.subplots(1, 2, figsize=(9, 2.6))
     for ax, values, what in ((axes[0], sent, "sent"), (axes[1], held, "K/V held")):
         ax.bar(list(values), [(b or 0) / 2**20 for b in values.values()],
@@ -611,7 +613,7 @@ def compare_designs(seq_k=128, heads=64, kv_heads=8, ranks=8):
     plt.show()
     for name, b in sent.items():
         print(f"{name:10}: sends {format_bytes(b) if b else '-':>10}, holds "
-              f"{format_bytes(held[name]):>10} of K/V"
+              f"{format_bytes(held[name]) if b else '-':>10} of K/V"
               + ("" if b else f" (impossible: {ranks} ranks > {heads} heads)"))
     print(f"one GPU without context parallelism holds "
           f"{format_bytes(2 * kv_heads * seq * 128 * 2)} of K/V")
