@@ -639,13 +639,51 @@ class Checkpointer:
         return step
 
 
+class AppState:
+    """DCP's Stateful protocol: dcp.save and dcp.load call these themselves."""
+
+    def __init__(self, model, optimizer, scheduler):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def state_dict(self):
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state,
+                "sched": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state):
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["sched"])
+
+
+def save_stateful(ckpt_dir, step, model, optimizer, scheduler):
+    """A DONE marker in the step's folder once every rank has saved."""
+    dcp.save({"app": AppState(model, optimizer, scheduler)},
+             checkpoint_id=f"{ckpt_dir}/{step}")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        open(f"{ckpt_dir}/{step}/DONE", "w").close()
+    dist.barrier()
+
+
+def load_stateful(ckpt_dir, model, optimizer, scheduler):
+    done = [int(d) for d in os.listdir(ckpt_dir)
+            if os.path.exists(f"{ckpt_dir}/{d}/DONE")]
+    if not done:
+        return 0
+    dcp.load({"app": AppState(model, optimizer, scheduler)},
+             checkpoint_id=f"{ckpt_dir}/{max(done)}")
+    return max(done)
+
+
 def test_right_resume_under_torchrun():
     ch12.check_resume(save_solution, load_solution)
     ch12.check_resume(save_torch_rank0, load_torch_rank0)
 
 
 @pytest.mark.parametrize("pair", [(save_split_apis, load_split_apis),
-                                  (Checkpointer().save, Checkpointer().load)])
+                                  (Checkpointer().save, Checkpointer().load),
+                                  (save_stateful, load_stateful)])
 def test_right_resume_pass(pair):
     ch12.check_resume(*pair, elastic=False)
 
