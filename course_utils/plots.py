@@ -104,6 +104,7 @@ def plot_timeline(
     ax = _axes(ax, figsize=(7.5, 0.6 * len(lanes) + 1.2))
     labels = list(dict.fromkeys(s[3] for s in spans if len(s) > 3))
     colors = {lab: plt.cm.tab20.colors[i % 20] for i, lab in enumerate(labels)}
+    texts = []
     for span in spans:
         lane, start, end = span[:3]
         label = span[3] if len(span) > 3 else None
@@ -119,22 +120,29 @@ def plot_timeline(
             color=colors.get(label, "tab:blue"),
         )
         if label and width > 0:
-            ax.text(
-                left + width / 2,
-                y,
-                str(label),
-                ha="center",
-                va="center",
-                fontsize=7,
-                clip_on=True,
-            )
+            texts.append((ax.text(left + width / 2, y, str(label), ha="center",
+                                  va="center", fontsize=7, clip_on=True),
+                          left, width))
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")
     ax.grid(True, axis="x", alpha=0.3)
     if title:
         ax.set_title(title)
+    _drop_labels_wider_than_their_bar(ax, texts)
     return ax
+
+
+def _drop_labels_wider_than_their_bar(ax, texts) -> None:
+    """Remove each bar label that would spill out of its bar or overprint."""
+    if not texts:
+        return
+    ax.autoscale_view()
+    renderer = ax.figure.canvas.get_renderer()
+    for text, left, width in texts:
+        x0, x1 = ax.transData.transform([(left, 0), (left + width, 0)])[:, 0]
+        if text.get_window_extent(renderer).width > 0.95 * abs(x1 - x0):
+            text.remove()
 
 
 # --- GPU figures of each kind (course_utils.reference) ---------------------------
