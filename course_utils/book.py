@@ -327,7 +327,8 @@ def sphinx(builder: str, out: Path, stage_dir: Path = STAGE) -> None:
     if out.exists():
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "sphinx", "-b", builder, "-c", str(CONF_DIR),
-           "-q", "-j", "1", str(stage_dir), str(out)]
+           # a warning (a broken link, an output it cannot show) fails the build
+           "-q", "-W", "--keep-going", "-j", "1", str(stage_dir), str(out)]
     subprocess.run(cmd, check=True)
 
 

@@ -137,6 +137,9 @@ def test_chapter_page_renders_its_run(page, name):
     assert outputs >= 10, f"only {outputs} cell outputs shown"
     assert not re.search(r"(interactive|IntSlider|VBox|HBox)\(children=", body), (
         "a widget shows as plain text")
+    errors = page.locator(".cell_output .output.traceback").all_inner_texts()
+    others = [e for e in errors if not re.match(r"Exercise \d+\.\d+ is not solved", e)]
+    assert not others, f"a cell failed in the run shown: {others[0][-800:]}"
     unsolved = re.findall(r"Exercise (\d+\.\d+) is not solved yet", body)
     assert len(unsolved) >= 2 and all(u.startswith(f"{number}.") for u in unsolved)
     assert "passed" not in " ".join(
