@@ -675,14 +675,14 @@ plt.show()
 # %% [markdown]
 # TP alone splits only what lives inside attention and the MLP; the norms'
 # inputs, the residual stream and the logits' inputs stay whole on every
-# rank. SP splits those too. Here it saves little, for two reasons the
-# count shows: `t` is 2, so the split parts only halve, and at 16 tokens
-# attention's scores (`5 a s / h`) are small. The demo also saves each
-# all-gathered input whole (Megatron-LM saves the shard and gathers it again
-# in the backward). At GPT-3's size with `t` = 8, the count gives the
-# published 5x only with **selective recomputation**: attention's scores,
-# which grow with `s` and `a`, are recomputed rather than saved, and SP
-# divides the rest by 8.
+# rank. SP splits those too. Here it saves little, and the count says why:
+# SP divides only the part TP leaves whole (the `10` of `10 + 24 / t`), and
+# by `t` = 2. The demo also saves each all-gathered input whole
+# (Megatron-LM saves the shard and gathers it again in the backward). At
+# GPT-3's size with `t` = 8, the count gives the published 5x only with
+# **selective recomputation**: attention's scores (`5 a s / h`), which grow
+# with `s` and `a` and there outweigh the rest of the layer, are recomputed
+# rather than saved, and SP divides all that remains by 8.
 #
 # ## 5. 2-D parallelism: FSDP2 across, TP within
 #
@@ -891,7 +891,8 @@ print(f"  [{cases['TP 8, NVLink'][0].label}]")
 print("verdict: communication's share " + (
     "grows with the TP degree" if ratios == sorted(ratios) else
     "does not grow steadily with the TP degree") +
-      f" ({ratios[0]:.2f}x at TP 2, {ratios[-1]:.2f}x at TP 8)")
+      f" ({ratios[0]:.2f}x at TP 2, {ratios[-1]:.2f}x at TP 8), and stays "
+      + ("below" if max(ratios) < 1 else "not below") + " the ideal compute")
 print("the link, TP 8:")
 cases["TP 8, InfiniBand"] = layer_times(8, "ndr_infiniband")
 show_times("across nodes", *cases["TP 8, InfiniBand"])
@@ -903,6 +904,13 @@ print("2 x T4 (PCIe 3, no NVLink), fp16:")
 cases["TP 2, 2 x T4"] = layer_times(2, "pcie3_x16", gpu="t4", math="fp16")
 show_times("TP 2", *cases["TP 2, 2 x T4"])
 print(f"  [{cases['TP 2, 2 x T4'][0].label}]")
+(t4_comm, t4_compute), (h_comm, h_compute) = (cases["TP 2, 2 x T4"],
+                                              cases["TP 2, NVLink"])
+print(f"verdict: at TP 2 a T4 computes {t4_compute.value / h_compute.value:.0f}x "
+      f"longer than an H100 and communicates {t4_comm.value / h_comm.value:.0f}x "
+      "longer, so communication's share is "
+      + ("smaller" if t4_comm.value / t4_compute.value
+         < h_comm.value / h_compute.value else "larger") + " on the T4s")
 
 fig, ax = plt.subplots(figsize=(8, 3))
 names = list(cases)
@@ -917,17 +925,17 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Inside the node the collectives cost a fraction of the ideal compute, and
-# overlap (section 6) hides part of that. Each prediction's label ends with
-# what the model leaves out and which way that moves its number; read the
-# across-node ratio with it, not as a measurement. On two T4s the ratio is
-# small only because their compute is slow: the faster the GPU, the more
-# its links matter. Drag the sliders: the TP degree, the sequence length and
+# Each prediction's label ends with what its model leaves out and which
+# way that moves the number: read every verdict with it, not as a
+# measurement. Overlap (section 6) hides part of whatever communication
+# there is. A T4 pair is slower on both counts, its compute and its PCIe
+# link, and what matters is the ratio of the two: its verdict compares it
+# with an H100 pair's. Drag the sliders: the TP degree, the sequence length and
 # the link against the time per layer, and the activations one layer saves
 # per GPU (section 1's count, attention's scores recomputed):
 
 # %%
-def draw_layer(tp=8, tokens=2048, link="nvlink_h100"):
+def draw_layer(tp=4, tokens=2048, link="nvlink_h100"):
     comm, compute = layer_times(tp, link, tokens)
     saved = {"TP": activation_bytes(tokens, 1, width, heads, tp, selective=True),
              "TP+SP": activation_bytes(tokens, 1, width, heads, tp, True, True)}
@@ -1050,10 +1058,9 @@ check_head_parallel_attention(head_parallel_attention)
 # column-parallel linears side by side. The model must then return full
 # logits (batch, seq, vocab) as a plain tensor.
 #
-# The new part: section 4's plan pays one backward all-reduce per
-# column-parallel linear. Yours must pay **one
-# collective per sublayer in each direction**, as fused Q, K, V would, but
-# without fusing anything. The checker runs it on 2 ranks and wants: the
+# The new part: `parallelize_gpt`'s plan pays one backward all-reduce per
+# column-parallel linear. Yours must pay **one collective per sublayer in
+# each direction**, as fused Q, K, V would, but without fusing anything. The checker runs it on 2 ranks and wants: the
 # loss and every gradient equal to one process; every linear inside the
 # blocks sharded; and, counted inside the blocks only (the embedding and
 # the output layer are yours to split as you like), per attention and per
@@ -1105,8 +1112,8 @@ check_parallelize_plan(parallelize_llama)
 # ### Exercise 10.3: predict the counts of another model
 #
 # Section 4 counted the collectives of one training step of its GPT. Now
-# predict them for Exercise 10.2's model under section 4's plan, one style
-# per linear (not your merged plan): `ColwiseParallel` on `q_proj`,
+# predict them for Exercise 10.2's model under `parallelize_gpt`'s plan,
+# one style per linear (not your merged plan): `ColwiseParallel` on `q_proj`,
 # `k_proj`, `v_proj`, `gate` and `up`; `RowwiseParallel` on `out_proj` and
 # `down`; the embedding row-parallel, the output layer column-parallel;
 # and `sequence_parallel` and `loss_parallel` switched as in
