@@ -139,8 +139,11 @@ def execute(source: Path, runs: Path = RUNS, force: bool = False) -> Path:
             nb, km=km, timeout=CELL_TIMEOUT_S, startup_timeout=120,
             allow_errors=True, store_widget_state=True,
             resources={"metadata": {"path": cwd}})
+        # the kernel, and every process it starts, imports this course's
+        # course_utils, whichever one the environment has installed
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         try:
-            client.execute()
+            client.execute(env={**os.environ, "PYTHONPATH": path})
         finally:  # the client ends only the kernels it started itself
             if km.has_kernel:
                 km.shutdown_kernel(now=True)
