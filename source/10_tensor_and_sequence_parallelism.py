@@ -861,9 +861,10 @@ print(f"[{plain.label}]")
 # the same total bytes. The cell predicts them for one 2048-token sequence
 # of GPT-3's width, beside the layer's own compute at the H100's bf16 peak
 # (`24 s h^2 + 4 s^2 h` FLOPs forward, 3x that per step, divided by `t`;
-# the peak makes compute as short as it can be, so the ratio is an upper
-# bound on communication's share). One thing changes at a time: first the
-# TP degree on NVLink inside a node, then the link at 8 GPUs.
+# at the peak compute is as short as it can be, so on the compute side each
+# ratio errs high; real steps reach a fraction of the peak). One thing
+# changes at a time: first the TP degree on NVLink inside a node, then the
+# link at 8 GPUs.
 
 # %%
 width, heads = 12288, 96  # GPT-3
