@@ -21,21 +21,23 @@
 # - ZeRO stages 1, 2 and 3 built by hand from two collectives,
 #   reduce-scatter and all-gather: equal to DDP to the last bit, with each
 #   rank holding `1/N` of what is sharded, measured by a deterministic counter.
-# - PyTorch's FSDP2 (`fully_shard`): parameters as DTensors, resharding after
-#   forward, prefetching, mixed precision, hybrid sharding, CPU offload, and
-#   the two mistakes its users make most.
+# - PyTorch's FSDP2 (`fully_shard`) as it is practised: DTensor parameters,
+#   resharding, prefetching, mixed precision, CPU offload, hybrid sharding,
+#   meta-device initialisation, clipping, accumulation, checkpointing order.
 # - Distributed checkpoints saved on 2 ranks and loaded on 4.
-# - How much memory a 7B model needs per GPU, predicted by running the real
-#   FSDP2 code on fake tensors, without allocating a byte.
+# - How much memory a 7B model needs per GPU, by category, predicted by
+#   running the real FSDP2 code on fake tensors, without allocating a byte.
 #
 # **Hardware.** The ranks are real processes joined by `gloo` - on GPUs, one
-# rank per GPU over `nccl` - so every collective below really runs and every
+# rank per GPU over `nccl`, with `gloo` beside it for CPU tensors (the group
+# is made with `"cpu:gloo,cuda:nccl"`) - so every collective below runs and every
 # byte is counted, not estimated. Memory per rank comes from PyTorch's
 # `MemTracker`, which counts tensor storages: the same number on every rank
 # and every run, on a CPU or a GPU. Without GPUs, the GPU side is a published
 # figure (the ZeRO paper) and a prediction (FSDP2 on a fake process group).
 
 # %%
+import functools
 import math
 import tempfile
 import warnings
@@ -46,9 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_utils import banner, memory, plots, reference
+from course_utils import banner, memory, reference
 from course_utils.checks.ch09 import (
-    check_fsdp_collectives,
+    check_clip_sharded,
     check_reshard_checkpoint,
     check_sharded_linear,
 )
@@ -113,13 +115,13 @@ def draw_memory(billions=7.0, world_size=8, precision="bf16 + fp32 master + Adam
     bottom = [0.0] * 4
     for i, (what, color) in enumerate((("parameters", "C0"), ("gradients", "C1"),
                                        ("optimizer state", "C2"))):
-        part = [model_state_bytes(billions * 1e9, world_size, s, precision)[i] / 2**30
+        part = [model_state_bytes(billions * 1e9, world_size, s, precision)[i] / 1e9
                 for s in range(4)]
         ax.bar(labels, part, bottom=bottom, label=what, color=color)
         bottom = [b + v for b, v in zip(bottom, part, strict=True)]
     for x, total in enumerate(bottom):
         ax.text(x, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
-    ax.set(ylabel="GiB per rank", title=f"{billions:g} B parameters on {world_size} "
+    ax.set(ylabel="GB per rank (1e9 bytes)", title=f"{billions:g} B parameters on {world_size} "
            f"ranks, {precision} (activations not included)")
     ax.legend(fontsize=7)
     plt.show()
@@ -174,8 +176,8 @@ def reduce_scatter_mean(grad, out):
 
 
 def rank_device(rank):
-    """This rank's GPU under nccl (one rank per GPU), else the CPU."""
-    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else \
+    """This rank's GPU when its group has nccl (one rank per GPU), else the CPU."""
+    return torch.device("cuda", rank) if "nccl" in dist.get_backend() else \
         torch.device("cpu")
 
 
@@ -338,25 +340,27 @@ def train_rank(rank, world_size, width, depth, steps):
             "state elements": sum(v.numel() for st in trainer.opt.state.values()
                                   for v in st.values() if v.dim() > 0)}
     results["unpadded"] = unpadded_attempt(world_size, dev)
+    results["backend"] = dist.get_backend()
     return results
 
 
-for world_size in (2, 3):
-    ranks = launch(train_rank, world_size, args=(37, 2, 3), timeout=60)
+for world_size in (2, 3):  # echo=False: gloo also logs the unpadded failure
+    ranks = launch(train_rank, world_size, args=(37, 2, 3), timeout=60, echo=False)
     ddp = ranks[0].value[0]["weights"]
     for stage in (1, 2, 3):
         worst = max((a - b).abs().max().item() for r in ranks
                     for a, b in zip(r.value[stage]["weights"], ddp, strict=True))
-        print(f"{world_size} ranks, ZeRO-{stage}: largest weight difference from DDP "
-              f"after 3 Adam steps: {worst:.1e}"
+        print(f"{world_size} ranks ({ranks[0].value['backend']}), ZeRO-{stage}: "
+              f"largest weight difference from DDP after 3 Adam steps: {worst:.1e}"
               + (" (bitwise equal)" if worst == 0 else ""))
 
 # %% [markdown]
-# Bitwise equal, on 2 ranks and on 3: the same sums in the same order feed
-# the same Adam arithmetic, only split across ranks. (Over `nccl` with 3 or
-# more ranks, the all-reduce and the reduce-scatter may add the ranks'
-# gradients in different orders - NCCL picks an algorithm per call - so a
-# difference of float rounding can show up there.) What each rank holds is
+# Over `gloo` the cell says bitwise equal, on 2 ranks and on 3: the same
+# sums in the same order feed the same Adam arithmetic, only split across
+# ranks. Over `nccl` that is not promised: with 3 or more ranks the
+# all-reduce and the reduce-scatter may add the ranks' gradients in
+# different orders (NCCL picks an algorithm per call), a difference of float
+# rounding that Adam then amplifies (section 4 shows how). What each rank holds is
 # exactly a `1/N` slice of every sharded state, padding included:
 
 # %%
@@ -388,7 +392,8 @@ print(f"[ZeRO-3 moves {ratio.value}x DDP's bytes: {ratio.label}]")
 # %% [markdown]
 # Why the padding: without it, the backend refuses a tensor that does not
 # split into `N` equal slices. What each of the 3 ranks was told when it
-# reduce-scattered a 37-element tensor unpadded:
+# reduce-scattered a 37-element tensor unpadded (gloo also writes a
+# "Check failed" line to the rank's log: an error it raises, not a crash):
 
 # %%
 print(ranks[0].value["unpadded"][:160])
@@ -470,8 +475,11 @@ print(f"the same numbers on both ranks: {same}; DDP > ZeRO-1 > ZeRO-2 > ZeRO-3: 
 # **torch DDP** holds a model's worth more than DDP by hand: it copies the
 # gradients into **buckets** - flat buffers of about 25 MiB that it
 # all-reduces while backward still runs, so communication overlaps
-# computation - and those buckets are a second copy of the gradients
-# (counted under activations: DDP builds them during a forward).
+# computation - and those buckets are a second copy of the gradients. DDP
+# allocates them when it is constructed and rebuilds them once, at the
+# second forward, in the order the first backward produced the gradients;
+# that rebuild runs in the measured step's forward, so the tracker files
+# the buckets under activations.
 #
 # ## 4. FSDP2: `fully_shard`
 #
@@ -503,6 +511,13 @@ def batch(rank, width=64, rows=8):
     return torch.randn(rows, width), torch.randn(rows, width)
 
 
+def train(model, opt, x, y, steps=1):
+    for _ in range(steps):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def fsdp_rank(rank, world_size, steps):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
@@ -520,12 +535,7 @@ def fsdp_rank(rank, world_size, steps):
                 block.set_modules_to_forward_prefetch([after])
                 after.set_modules_to_backward_prefetch([block])
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-
-        def step(model=model, opt=opt):
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
+        step = functools.partial(train, model, opt, x, y)
         step()
         comm = CommDebugMode()
         with comm:
@@ -559,11 +569,7 @@ def one_process(steps, world_size=2):
     model = make_blocks()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     xs, ys = zip(*(batch(r) for r in range(world_size)), strict=True)
-    x, y = torch.cat(xs), torch.cat(ys)
-    for _ in range(steps):
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, torch.cat(xs), torch.cat(ys), steps)
     return [p.detach() for p in model.parameters()]
 
 
@@ -600,7 +606,7 @@ print(f"keeping the parameters costs {format_bytes(gap)} per rank here, and save
 # %% [markdown]
 # Four blocks: 4 all-gathers in forward, 4 more in backward when resharding,
 # and one reduce-scatter per block. (The root owns no parameter here, so it
-# has nothing to gather; Exercise 9.3 asks what changes when it does.)
+# has nothing to gather.)
 #
 # **Prefetching.** On a GPU, an all-gather runs on its own stream while the
 # previous block computes. FSDP2 issues the next block's all-gather early by
@@ -621,17 +627,16 @@ print(f"with prefetching: {fsdp[0]['prefetch']['counts']}, the same weights: {sa
 # `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`
 # all-gathers bf16 copies of the fp32 shards and computes in bf16, then
 # reduce-scatters the gradients in fp32: half the all-gather bytes, fp32
-# master weights. The weights then differ from fp32 training by bf16's
-# rounding. `CPUOffloadPolicy` keeps the shards and the optimizer on the CPU
-# and copies each block to the GPU when needed; it pins the CPU memory for
-# fast copies, which fails without a GPU. And two mistakes that FSDP2's users
-# report again and again: building the optimizer **before** `fully_shard`
-# (it holds the old parameters, which `fully_shard` has replaced by DTensors),
-# and saving `model.state_dict()` from rank 0 as if it were the whole model
-# (it is rank 0's shards).
+# master weights. `CPUOffloadPolicy` keeps the shards and the optimizer on
+# the CPU and copies each block to the GPU when needed; it pins the CPU
+# memory for fast copies, which needs CUDA. And two mistakes that FSDP2's
+# users report again and again: building the optimizer **before**
+# `fully_shard` (it holds the old parameters, which `fully_shard` has
+# replaced by DTensors), and saving `model.state_dict()` from rank 0 as if it
+# were the whole model (it is rank 0's shards).
 
 # %%
-def options_rank(rank, world_size, folder):
+def options_rank(rank, world_size):
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -645,35 +650,43 @@ def options_rank(rank, world_size, folder):
     x, y = (t.to(dev) for t in batch(rank))
     out = {}
 
-    def train(model, opt, steps=3):
+    def run(model, opt, steps=3):
+        losses, first = [], {}
         for _ in range(steps):
-            nn.functional.mse_loss(model(x), y).backward()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            first = first or {"grads": [p.grad.full_tensor().cpu()
+                                        for p in model.parameters()]}
             opt.step()
             opt.zero_grad()
-        return [p.full_tensor().float().cpu() for p in model.parameters()]
+            first.setdefault("weights", [p.full_tensor().float().cpu()
+                                         for p in model.parameters()])
+            losses.append(loss.item())
+        return [p.full_tensor().float().cpu() for p in model.parameters()], \
+            losses, first
 
     policies = {"fp32": {}, "bf16": {"mp_policy": MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}}
     for name, option in policies.items():
         model = shard_blocks(make_blocks().to(dev), mesh, **option)
-        out[name] = train(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        out[name] = run(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     out["bf16 dtypes"] = (str(model[0][0].weight.dtype), str(model(x).dtype))
     try:
-        shard_blocks(make_blocks(), mesh, offload_policy=CPUOffloadPolicy())
+        shard_blocks(make_blocks().to(dev), mesh, offload_policy=CPUOffloadPolicy())
         out["offload"] = "pinned: ran"
     except RuntimeError as e:
         out["offload"] = f"pinned: {e}"
-    model = shard_blocks(make_blocks(), mesh,
+    model = shard_blocks(make_blocks().to(dev), mesh,
                          offload_policy=CPUOffloadPolicy(pin_memory=False))
-    train(model, torch.optim.Adam(model.parameters(), lr=1e-2), 1)
+    run(model, torch.optim.Adam(model.parameters(), lr=1e-2), 1)
     out["offload unpinned"] = str(model[0][0].weight.device)
     # mistake 1: the optimizer is built before fully_shard
     model = make_blocks().to(dev)
     early = torch.optim.Adam(model.parameters(), lr=1e-2)
     shard_blocks(model, mesh)
-    before = [p.full_tensor().clone() for p in model.parameters()]
-    after = train(model, early)
-    out["early optimizer moved"] = max((a.to(dev) - b).abs().max().item()
+    before = [p.full_tensor().cpu() for p in model.parameters()]
+    after = run(model, early)[0]
+    out["early optimizer moved"] = max((a - b).abs().max().item()
                                        for a, b in zip(after, before, strict=True))
     # mistake 2: the state dict of an FSDP2 model is this rank's shards
     sharded = model.state_dict()["0.0.weight"]
@@ -681,50 +694,12 @@ def options_rank(rank, world_size, folder):
         full_state_dict=True, cpu_offload=True))  # rank 0 gets it, others {}
     out["state dicts"] = (type(sharded).__name__, tuple(sharded.to_local().shape),
                           {k: tuple(v.shape) for k, v in full.items()})
-    out["checkpoint"] = save_checkpoint(rank, world_size, mesh, folder, x, y)
     return out
 
 
-# %% [markdown]
-# ## 5. Distributed checkpoints
-#
-# `torch.distributed.checkpoint` (DCP) saves each rank's shards to its own
-# file plus a metadata file that says which slice of which tensor each holds.
-# Loading asks for the slices the *loading* ranks own - whatever their number
-# - and reads them from wherever they are. `get_state_dict` and
-# `set_state_dict` turn a model and its optimizer into such a state dict and
-# back. `async_save` copies the state to memory and writes it in a background
-# thread, so training continues during the write.
-
-# %%
-def save_checkpoint(rank, world_size, mesh, folder, x, y):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model = shard_blocks(make_blocks(), mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(2):
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{folder}/sync")
-    # async_save coordinates over a CPU group: nccl ranks make a gloo one for it
-    cpu_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
-    future = dcp.async_save({"model": model_sd}, checkpoint_id=f"{folder}/async",
-                            process_group=cpu_group)
-    returned_at_once = not future.done()
-    future.result()
-    return {"weights": [p.full_tensor() for p in model.parameters()],
-            "async returned before writing": returned_at_once}
-
-
-folder = tempfile.TemporaryDirectory(prefix="ch09_dcp_")
-opts = [r.value for r in launch(options_rank, 2, args=(folder.name,), timeout=120)]
+opts = [r.value for r in launch(options_rank, 2, timeout=120)]
 o = opts[0]
-print("bf16 compute:", o["bf16 dtypes"][0], "shards,", o["bf16 dtypes"][1], "output; "
-      "largest weight difference from fp32 after 3 steps "
-      f"{max((a - b).abs().max().item() for a, b in zip(o['bf16'], o['fp32'], strict=True)):.1e}")
+print("bf16 compute:", o["bf16 dtypes"][0], "shards,", o["bf16 dtypes"][1], "output")
 print("CPU offload,", o["offload"][:90])
 print("CPU offload, not pinned: ran; the shards live on", o["offload unpinned"],
       "(each block is copied to the GPU when it runs)" if GPUS >= 2 else
@@ -740,11 +715,231 @@ print(f"model.state_dict()['0.0.weight'] is a {sharded_type} of local shape "
 # The early optimizer trained nothing: it updates tensors the model no longer
 # uses, and no error says so. Build the optimizer from `model.parameters()`
 # after `fully_shard`. `torch.save(model.state_dict())` on rank 0 writes half
-# of each weight, as DTensors; save a distributed checkpoint, or ask for a
-# full state dict (`cpu_offload=True` gathers it to the CPU, one tensor at a
-# time). (The bf16 difference is rounding, not an error: compare bf16 runs
-# with a tolerance of bf16's precision.)
+# of each weight, as DTensors; save a distributed checkpoint (section 5), or
+# ask for a full state dict (`cpu_offload=True` gathers it to the CPU, one
+# tensor at a time).
 #
+# **How to test bf16 training.** **Claim** (a common check): bf16 weights
+# should match fp32 training to bf16's precision. **Measured here:**
+
+# %%
+w32, loss32, first32 = o["fp32"]
+w16, loss16, first16 = o["bf16"]
+print(f"after 3 steps: largest weight difference "
+      f"{max((a - b).abs().max().item() for a, b in zip(w16, w32, strict=True)):.1e}; "
+      f"losses fp32 {[f'{v:.4f}' for v in loss32]}, bf16 "
+      f"{[f'{v:.4f}' for v in loss16]}")
+flip = torch.cat([(a.sign() != b.sign()).flatten() for a, b in zip(
+    first16["grads"], first32["grads"], strict=True)])
+moved = torch.cat([(a - b).abs().flatten() for a, b in zip(
+    first16["weights"], first32["weights"], strict=True)])
+print(f"step 1: {int(flip.sum())} of {flip.numel()} gradients changed sign; those "
+      f"weights differ by {moved[flip].min():.1e} to {moved[flip].max():.1e}, the "
+      f"others by at most {moved[~flip].max():.1e} (learning rate 1e-2)")
+
+# %% [markdown]
+# **Why.** Adam's first update is `lr * m / (sqrt(v) + eps)` with `m = g`
+# and `v = g^2`: about `lr * sign(g)`, whatever the gradient's size. Where
+# bf16's rounding flips a near-zero gradient's sign, the two runs move that
+# weight `lr` in opposite directions - a difference of up to `2 lr`, 0.02
+# here (`lr` where one of them rounded to exactly zero), far above bf16's
+# precision, and later steps keep amplifying such differences. The losses
+# stay close. So compare a bf16 run's **losses** with fp32's, and its
+# weights only with another run under the same policy (the same code and
+# seeds give the same bits on these ranks).
+#
+# ### Hybrid sharding (HSDP)
+#
+# Sharding over all `N` ranks makes every all-gather cross the slowest link
+# (between nodes). **HSDP** shards within a group (a node) and replicates
+# across groups: a 2-D mesh, replicate x shard, where only the gradient
+# all-reduce crosses nodes. Four ranks as a 2 x 2 mesh:
+
+# %%
+def hsdp_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh(rank_device(rank).type, (2, 2),
+                            mesh_dim_names=("replicate", "shard"))
+    model = shard_blocks(make_blocks().to(rank_device(rank)), mesh)
+    x, y = (t.to(rank_device(rank)) for t in batch(rank))
+    train(model, torch.optim.Adam(model.parameters(), lr=1e-2), x, y, steps=4)
+    w = model[0][0].weight
+    return (str(w.placements), tuple(w.to_local().shape),
+            [p.full_tensor() for p in model.parameters()])
+
+
+# %% [markdown]
+# It runs below, in one launch with the next demonstrations (each launch
+# starts fresh processes).
+#
+# ### FSDP2 in practice
+#
+# Five things a real FSDP2 training script does, on 4 ranks:
+#
+# - **Meta-device initialisation.** A 70B model does not fit in one
+#   process's memory. Built under `torch.device("meta")` (shapes, no data),
+#   sharded, then `to_empty` allocates only each rank's shards, and the
+#   weights are initialised in place on the shards.
+# - **Gradient clipping**: `clip_grad_norm_` works on DTensor gradients; its
+#   norm is over the whole model (one all-reduce of the shards' squares).
+# - **Gradient accumulation**: `set_requires_gradient_sync(False)` skips the
+#   reduce-scatter of every micro-batch but the last.
+# - **Activation checkpointing first, then `fully_shard`**: wrap each block
+#   for recomputation, then shard the wrapper, so the recomputed forward
+#   runs inside the unit FSDP2 has just gathered for backward.
+# - **`reshard_after_forward` as an integer** (ZeRO++'s hpZ): after forward a
+#   block keeps its parameters sharded over a smaller group (2 here, a node
+#   on a cluster), so the backward all-gathers stay inside it.
+
+# %%
+class Checkpointed(nn.Module):  # activations recomputed in backward (Chapter 8)
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def practice_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    hsdp = hsdp_rank(rank, world_size)
+    dev = rank_device(rank)
+    mesh = init_device_mesh(dev.type, (world_size,))
+    x, y = (t.to(dev) for t in batch(rank))
+    with torch.device("meta"):
+        model = make_blocks()
+    shard_blocks(model, mesh)
+    model.to_empty(device=dev)  # allocates this rank's shards only
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()  # initialise the shards in place
+    out = {"hsdp": hsdp, "meta": (memory.storage_bytes(model.parameters()),
+                                  str(model[0][0].weight.device))}
+    nn.functional.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    out["clip"] = (type(norm).__name__, norm.full_tensor().item(),
+                   [p.grad.full_tensor().cpu() for p in model.parameters()])
+    for sync_each in (True, False):  # 4 micro-batches
+        scatters = 0
+        for i in range(4):
+            model.set_requires_gradient_sync(sync_each or i == 3)
+            with CommDebugMode() as comm:
+                nn.functional.mse_loss(model(x), y).backward()
+            scatters += sum(v for k, v in comm.get_comm_counts().items()
+                            if "reduce_scatter" in str(k))
+        out[f"reduce-scatters, sync each={sync_each}"] = scatters
+    for name, wrap, reshard in (("plain", False, True), ("checkpointed", True, True),
+                                ("reshard to 2", False, 2), ("no reshard", False,
+                                                             False)):
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128),
+                                nn.Tanh()).to(dev) for _ in range(4)]
+        model = shard_blocks(nn.Sequential(*[Checkpointed(b) if wrap else b
+                                             for b in blocks]),
+                             mesh, reshard_after_forward=reshard)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        xx, yy = (t.to(dev) for t in batch(rank, width=128, rows=32))
+        step = functools.partial(train, model, opt, xx, yy)
+        step()
+        out[name] = memory.track_step(step, xx, yy, fsdp_model=model, optimizer=opt)
+    return out
+
+
+
+
+practice = launch(practice_rank, 4, timeout=150)[0].value
+hsdp = practice["hsdp"]
+reference_4 = one_process(4, world_size=4)
+worst = max((a - b).abs().max().item() for a, b in zip(hsdp[2], reference_4,
+                                                        strict=True))
+print(f"HSDP: placements {hsdp[0]}, local piece {hsdp[1]} of (64, 64); largest "
+      f"weight difference from one process on all 4 batches {worst:.1e}")
+
+# %% [markdown]
+# `Replicate()` on the first mesh dimension, `Shard(dim=0)` on the second:
+# each weight is split in two, and each half held twice. Then the five
+# practices:
+
+# %%
+shard_bytes, where = practice["meta"]
+whole = sum(p.numel() * 4 for p in make_blocks().parameters())
+print(f"meta init: each rank allocated {format_bytes(shard_bytes)} of the model's "
+      f"{format_bytes(whole)}, on {where}")
+kind, norm, clipped = practice["clip"]
+print(f"clip_grad_norm_: total norm {norm:.4f} (a {kind}, the same on every rank); "
+      f"after clipping the gathered gradients' norm is "
+      f"{torch.cat([g.flatten() for g in clipped]).norm():.4f} (max_norm 0.1)")
+for sync_each in (True, False):
+    print(f"4 micro-batches, gradient sync {'every' if sync_each else 'last only'}: "
+          f"{practice[f'reduce-scatters, sync each={sync_each}']} reduce-scatters")
+for name in ("plain", "checkpointed"):
+    print(f"{name}: activations kept for backward "
+          f"{format_bytes(practice[name]['activations'])}")
+print("peak per rank, reshard_after_forward True, 2, False: " + ", ".join(
+    format_bytes(practice[name]["total"])
+    for name in ("plain", "reshard to 2", "no reshard")))
+
+# %% [markdown]
+# What to read: meta initialisation never held the whole model; clipping's
+# norm is the whole model's; accumulation reduce-scatters once per block at
+# the last micro-batch instead of once per micro-batch; checkpointing cuts
+# the activations kept for backward; an integer
+# `reshard_after_forward` sits between `True` and `False` in memory.
+#
+# Two notes. Here `reset_parameters` draws each shard from its rank's own
+# random stream; torchtitan initialises with a seed per model so that every
+# layout gives the same weights (DTensor's random ops do that on CUDA).
+# And FSDP2 can all-gather **float8** weights (torchao's `Float8Linear` with
+# `enable_fsdp_float8_all_gather=True`; see torchtitan's `docs/float8.md`),
+# a quarter of fp32's bytes, on GPUs with float8 matmuls (H100 and newer).
+
+# %% [markdown]
+# ## 5. Distributed checkpoints
+#
+# `torch.distributed.checkpoint` (DCP) saves each rank's shards to its own
+# file plus a metadata file that says which slice of which tensor each holds.
+# Loading asks for the slices the *loading* ranks own - whatever their number
+# - and reads them from wherever they are. `get_state_dict` and
+# `set_state_dict` turn a model and its optimizer into such a state dict and
+# back. `async_save` copies the state to memory and writes it in a background
+# thread, so training continues during the write.
+
+# %%
+def save_rank(rank, world_size, folder):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore")
+    dev = rank_device(rank)
+    model = shard_blocks(make_blocks().to(dev), init_device_mesh(dev.type,
+                                                                 (world_size,)))
+    x, y = (t.to(dev) for t in batch(rank))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, x, y, steps=2)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{folder}/sync")
+    # async_save coordinates over the CPU: the launcher's groups have gloo for
+    # CPU tensors, beside nccl on GPUs
+    future = dcp.async_save({"model": model_sd}, checkpoint_id=f"{folder}/async")
+    returned_at_once = not future.done()
+    future.result()
+    return {"weights": [p.full_tensor() for p in model.parameters()],
+            "async returned before writing": returned_at_once}
+
+
+folder = tempfile.TemporaryDirectory(prefix="ch09_dcp_")
+saved_by = launch(save_rank, 2, args=(folder.name,), timeout=90)[0].value
+saved = saved_by["weights"]
+print("async_save returned before the write was done:",
+      saved_by["async returned before writing"])
+
+# %% [markdown]
 # A distributed checkpoint is a folder; `dcp_to_torch_save` converts it
 # offline, in one process, into one ordinary `torch.save` file - for
 # inference, or for sharing the weights with someone who does not shard:
@@ -754,15 +949,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 dcp_to_torch_save(f"{folder.name}/sync", f"{folder.name}/plain.pt")
 plain = torch.load(f"{folder.name}/plain.pt", weights_only=False)
-w, saved = plain["model"]["0.0.weight"], opts[0]["checkpoint"]["weights"]
+w = plain["model"]["0.0.weight"]
 print(f"plain file: {sorted(plain)}; model tensors {len(plain['model'])}, "
       f"0.0.weight a {type(w).__name__} of {tuple(w.shape)}, equal to the trained "
       f"one: {torch.equal(w, saved[0])}")
 
 # %% [markdown]
 # Now the checkpoint written by those 2 ranks, loaded by 4 - a fresh model
-# and optimizer, their state replaced by the checkpoint's (it runs in the
-# 4-rank launch below):
+# and optimizer, their state replaced by the checkpoint's:
 
 # %%
 def load_rank(rank, world_size, folder):
@@ -772,7 +966,7 @@ def load_rank(rank, world_size, folder):
 
     warnings.simplefilter("ignore")
     mesh = init_device_mesh(rank_device(rank).type, (world_size,))
-    model = shard_blocks(make_blocks(seed=1), mesh)  # other weights
+    model = shard_blocks(make_blocks(seed=1).to(rank_device(rank)), mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
@@ -786,131 +980,121 @@ def load_rank(rank, world_size, folder):
             "exp_avg": tuple(adam["exp_avg"].to_local().shape)}
 
 
-# %% [markdown]
-# ### Hybrid sharding (HSDP)
-#
-# Sharding over all `N` ranks makes every all-gather cross the slowest link
-# (between nodes). **HSDP** shards within a group (a node) and replicates
-# across groups: a 2-D mesh, replicate x shard, where only the gradient
-# all-reduce crosses nodes. Four ranks as a 2 x 2 mesh, launched together
-# with the checkpoint's loading (each launch starts fresh processes):
-
-# %%
-def hsdp_rank(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    warnings.simplefilter("ignore")
-    mesh = init_device_mesh(rank_device(rank).type, (2, 2),
-                            mesh_dim_names=("replicate", "shard"))
-    model = shard_blocks(make_blocks(), mesh)
-    x, y = (t.to(rank_device(rank)) for t in batch(rank))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(4):
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    w = model[0][0].weight
-    return (str(w.placements), tuple(w.to_local().shape),
-            [p.full_tensor() for p in model.parameters()])
-
-
-def four_ranks(rank, world_size, folder):
-    return load_rank(rank, world_size, folder), hsdp_rank(rank, world_size)
-
-
-both = [r.value for r in launch(four_ranks, 4, args=(folder.name,), timeout=150)]
+loaded = launch(load_rank, 4, args=(folder.name,), timeout=90)[0].value
 folder.cleanup()
-loaded, hsdp = [b[0] for b in both], [b[1] for b in both]
-
-# %%
 worst = max((a - b).abs().max().item()
-            for a, b in zip(loaded[0]["weights"], saved, strict=True))
+            for a, b in zip(loaded["weights"], saved, strict=True))
 print(f"saved on 2 ranks, loaded on 4: largest weight difference {worst:.1e}; "
-      f"each rank now holds {loaded[0]['local']} of the (64, 64) weight")
-print(f"Adam resumed: step {loaded[0]['step']:g}, moments of local shape "
-      f"{loaded[0]['exp_avg']} (sharded like the weight)")
-print("async_save returned before the write was done:",
-      opts[0]["checkpoint"]["async returned before writing"])
-
-# %%
-reference_4 = one_process(4, world_size=4)
-worst = max((a - b).abs().max().item() for r in hsdp
-            for a, b in zip(r[2], reference_4, strict=True))
-print(f"placements {hsdp[0][0]}, local piece {hsdp[0][1]} of (64, 64); largest "
-      f"weight difference from one process on all 4 batches {worst:.1e}")
+      f"each rank now holds {loaded['local']} of the (64, 64) weight")
+print(f"Adam resumed: step {loaded['step']:g}, moments of local shape "
+      f"{loaded['exp_avg']} (sharded like the weight)")
 
 # %% [markdown]
-# `Replicate()` on the first mesh dimension, `Shard(dim=0)` on the second:
-# each weight is split in two, and each half held twice.
-#
 # ## 6. The GPU story: a 7B model
 #
 # How many GPUs does a 7B model need? The arithmetic of section 1 gives the
 # model states; activations and the buffers FSDP2 gathers into come on top.
-# PyTorch can answer the whole question without a GPU: a **fake process
-# group** (its collectives do nothing) and **fake tensors** (shapes without
-# data) let the real `fully_shard` code run a real training step of a
-# Llama-2-7B-shaped model, and `FSDPMemTracker` counts what one rank would
-# hold. `course_utils.memory` has the model and the plumbing; its table
-# `LLAMA2_7B_FSDP2` holds the prediction for 1 to 64 ranks, computed by
-# `python -m course_utils.memory` (about 10 s per world size, too slow for
-# this notebook). The same code on a 2-layer version runs here, live, in
-# about a second, and must give what the module recorded, byte for byte:
+# PyTorch can answer the whole question without a GPU. A **fake process
+# group** (backend `"fake"`: its collectives do nothing; its store lives in
+# the private module `torch.testing._internal.distributed.fake_pg`) and
+# **fake tensors** (`FakeTensorMode`: shapes and dtypes without data) let
+# the real `fully_shard` code run real training steps of a
+# Llama-2-7B-shaped model (`memory.Llama`), and `FSDPMemTracker` (private
+# too, `torch.distributed._tools`) counts what one rank holds. We measure
+# the **second** step: the first creates Adam's state inside `opt.step()`,
+# so its peak misses the optimizer state entirely.
 
 # %%
-live = memory.fsdp2_peak_on_fake_ranks([8], layers=2, in_process=True)[8]
-recorded = memory.LLAMA2_2_LAYERS_FSDP2[8]
-print(f"2 layers, {live['parameters'] / 1e9:.2f} B parameters, 8 ranks: "
-      f"{live['peak']['total'] / 2**30:.2f} GiB per rank now, "
-      f"{recorded['total'] / 2**30:.2f} GiB recorded - "
-      f"{'the same' if live['peak'] == recorded else 'different: has torch changed?'}")
+def fake_fsdp2_peak(world_size, layers, tokens=2048):
+    """Peak bytes per rank of FSDP2's second training step, on fake ranks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode
+        with FakeTensorMode():
+            model = memory.Llama(layers=layers)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.Adam(model.parameters())
+            x = torch.randint(0, 32000, (1, tokens))
+
+            def step():
+                logits = model(x)
+                nn.functional.cross_entropy(logits.flatten(0, 1),
+                                            x.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+
+            step()  # creates Adam's state
+            return memory.track_step(step, x, fsdp_model=model, optimizer=opt)
+    finally:
+        dist.destroy_process_group()
+
+
+# %% [markdown]
+# 32 layers take about 20 s per world size, too slow for this notebook:
+# `python -m course_utils.memory` ran the same code for 1 to 64 ranks into
+# the table `memory.LLAMA2_7B_FSDP2`. Two layers run here, live, in a few
+# seconds, and must give what that module stored, byte for byte:
+
+# %%
+live = fake_fsdp2_peak(8, layers=2)
+stored = memory.LLAMA2_2_LAYERS_FSDP2[8]
+print(f"2 layers, 8 ranks: {live['total'] / 1e9:.2f} GB per rank now, "
+      f"{stored['total'] / 1e9:.2f} GB stored - "
+      f"{'the same bytes' if live == stored else 'different: has torch changed?'}")
 
 # %%
 h100 = reference.published("h100_sxm.memory_gb")
 table = memory.LLAMA2_7B_FSDP2
-ns = sorted(table)
 pred = reference.predicted(
-    {"x": ns, "y": [table[n]["total"] / 1e9 for n in ns]}, "GB", "GPUs of any kind",
-    "FSDP2 fully_shard per block and root, fp32 weights, Adam, one step of 1 x 2048 "
-    "tokens, counted by FSDPMemTracker on a fake process group with fake tensors "
-    "(no allocator slack, no CUDA/NCCL workspaces)")
-fig, ax = plt.subplots(figsize=(7, 3.5))
-plots.plot_figure_curves([pred], ax=ax, xlabel="ranks (GPUs)", ylabel="GB per GPU",
-                         title="Llama-2-7B shapes, FSDP2: peak memory per GPU",
-                         logy=False)
-ax.axhline(h100.value, color="gray", linestyle=":", label=f"{h100.device} capacity")
-ax.legend(fontsize=7)
+    {"x": sorted(table), "y": [table[n]["total"] / 1e9 for n in sorted(table)]},
+    "GB", "GPUs of any kind",
+    "FSDP2 fully_shard per block and root, fp32 weights, Adam, the second step of "
+    "1 x 2048 tokens, counted by FSDPMemTracker on a fake process group with fake "
+    "tensors (no allocator slack, no CUDA/NCCL workspaces)")
+fig, ax = plt.subplots(figsize=(7.5, 3.8))
+memory.plot_parts(table, ax, h100.value, f"{h100.device}: {h100.value:g} GB")
+ax.set(xlabel="GPUs (ranks)", ylabel="GB per GPU (1e9 bytes)",
+       title="Llama-2-7B shapes, FSDP2, peak of the second step (predicted)")
 plt.show()
-print(f"{memory.LLAMA2_7B_PARAMETERS / 1e9:.2f} B parameters; peak per GPU, of which")
-for n in ns:
-    print(f"{n:3d} GPUs: {table[n]['total'] / 1e9:6.1f} GB | sharded parameters "
-          f"{table[n]['parameters'] / 1e9:5.2f} | activations "
-          f"{table[n].get('activations', 0) / 1e9:5.1f} | optimizer state "
-          f"{table[n].get('optimizer state', 0) / 1e9:5.1f}")
-print(f"[{pred.label}]")
-print(f"[capacity: {h100.label}]")
+print(f"{memory.LLAMA2_7B_PARAMETERS / 1e9:.2f} B parameters; GB per GPU at the "
+      "peak of step 2:")
+print("GPUs  parameters  gradients  optimizer  activations  buffers, temps  total")
+for n in sorted(table):
+    print(f"{n:4d}" + "".join(f"{v / 1e9:{w}.2f}" for v, w in zip(
+        memory.parts(table[n]).values(), (12, 11, 11, 13, 16), strict=True))
+        + f"{table[n]['total'] / 1e9:7.1f}")
+print(f"[{pred.label}]\n[capacity: {h100.label}]")
 
 # %% [markdown]
-# Two regimes. On 1 and 2 GPUs the peak is the optimizer step, with Adam's
-# state in full (or halved): 16 bytes per parameter, over 100 GB on one GPU.
-# From 4 GPUs on, the model states shrink as `1/N` and the peak moves into
-# backward, where the activations of all 32 layers - about 20 GB for 2048
-# tokens in fp32, the same on every rank whatever `N` - dominate. Sharding
-# alone stops helping there; activation checkpointing (Chapter 8), bf16
-# activations, and splitting the sequence or the layers (Chapters 10 and 11)
-# take over. The prediction leaves out what a real GPU adds: the caching
-# allocator's slack, CUDA and NCCL workspaces. torchtitan's FSDP2 notes
-# report that on some Llama-7B runs on 8 H100s it peaked 7% lower than FSDP1:
+# Two regimes. On 1 GPU the peak is the optimizer step: 16 bytes per
+# parameter, over 100 GB. From 2 GPUs on it moves into backward, where the
+# activations of all 32 layers - about 22 GB for 2048 tokens in fp32, the
+# same on every rank whatever `N` - sit beside the model states, which
+# shrink as `1/N`. Sharding alone stops helping there; activation
+# checkpointing, bf16 activations, and splitting the sequence or the layers
+# (Chapters 10 and 11) take over. The prediction leaves out what a real GPU
+# adds: the caching allocator's slack, CUDA and NCCL workspaces.
+# torchtitan's FSDP2 notes report that on some Llama-7B runs on 8 H100s it
+# peaked 7% lower than FSDP1:
 
 # %%
 note = reference.published("torchtitan.fsdp2_vs_fsdp1_peak_memory_reduction_percent")
 print(f"FSDP2 vs FSDP1 peak memory: -{note.value}% [{note.label}]")
 
 # %% [markdown]
-# With GPUs, an FSDP2 model of 8 layers of width 1024 runs on them here: the
-# allocator's peak (`torch.cuda.max_memory_allocated`) beside the tracker's
-# count of the same step - the difference is the allocator's rounding and
-# its workspaces. It is recorded for learners without a GPU.
+# With a GPU, an FSDP2 model of 8 layers of width 1024 trains on it here -
+# one rank on one GPU, one rank per GPU on two - and the allocator's peak
+# (`torch.cuda.max_memory_allocated`) prints beside the tracker's count of
+# the same (second) step: the difference is the allocator's rounding and
+# its workspaces. `make record` on a GPU machine stores it for learners
+# without one; none is recorded yet.
 
 # %%
 def gpu_peak_rank(rank, world_size):
@@ -922,12 +1106,7 @@ def gpu_peak_rank(rank, world_size):
     model = shard_blocks(make_blocks(width=1024, depth=8).to(dev), mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = (t.to(dev) for t in batch(rank, width=1024, rows=64))
-
-    def step():
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
+    step = functools.partial(train, model, opt, x, y)
     step()
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -936,23 +1115,22 @@ def gpu_peak_rank(rank, world_size):
     return counted, torch.cuda.max_memory_allocated(dev)
 
 
-if GPUS >= 2:
-    gpu_ranks = [r.value for r in launch(gpu_peak_rank, 2, timeout=120)]
-    counted, allocated = gpu_ranks[0]
-    print(f"2 GPUs: tracker {format_bytes(counted)}, allocator peak "
+n_gpu = min(GPUS, 2)
+name = f"09.fsdp2_8x1024_peak_bytes_{max(n_gpu, 1)}gpu"
+if n_gpu:  # one rank per GPU: nccl
+    counted, allocated = launch(gpu_peak_rank, n_gpu, timeout=120)[0].value
+    print(f"{n_gpu} GPU(s): tracker {format_bytes(counted)}, allocator peak "
           f"{format_bytes(allocated)} per rank")
-    reference.record("09.fsdp2_8x1024_peak_bytes_2gpus", allocated, "B", "cuda:0")
+    reference.record(name, allocated, "B", "cuda:0")
 else:
-    print(f"{GPUS} GPU(s): nothing measured on a GPU here")
-reference.show("09.fsdp2_8x1024_peak_bytes_2gpus", unit="B", figures=[
-    reference.predicted((1024 * 1024 + 1024) * 8 * 16 / 2,
-                        "B", "2 GPUs, any kind",
-                        "model states only: 16 bytes per parameter (fp32 weight, "
-                        "gradient, Adam's 2 moments), sharded over 2 ranks",
-                        caveat="not calibrated: activations, the allocator's "
-                        "rounding and NCCL's buffers are left out, so a GPU's "
-                        "peak is higher")],
-    fmt="{:.4g}");
+    print("no GPU: with one, this cell trains the model on it (one rank per GPU, "
+          "at most 2) and prints the tracker's count beside the allocator's peak")
+figures = reference.show(name, unit="B", fmt="{:.4g}", figures=[reference.predicted(
+    (1024 * 1024 + 1024) * 8 * 16 / max(n_gpu, 1), "B",
+    f"{max(n_gpu, 1)} GPU(s), any kind", "model states only: 16 bytes per parameter "
+    f"(fp32 weight, gradient, Adam's 2 moments), sharded over {max(n_gpu, 1)} rank(s)",
+    caveat="not calibrated: activations, the allocator's rounding and NCCL's "
+    "buffers are left out, so a GPU's peak is higher")])
 
 # %% [markdown]
 # ## Summary
@@ -969,12 +1147,18 @@ reference.show("09.fsdp2_8x1024_peak_bytes_2gpus", unit="B", figures=[
 #   deterministically: the same on every rank, on CPU, GPU or fake tensors.
 # - FSDP2's `fully_shard` per block and root gives DTensor parameters;
 #   `reshard_after_forward` trades memory for all-gathers; mixed precision
-#   all-gathers bf16; HSDP shards within and replicates across a 2-D mesh.
-#   Build the optimizer after sharding, and save with DCP or a full state
-#   dict.
+#   all-gathers bf16 (test it by its losses: Adam turns rounding into
+#   steps of the learning rate); HSDP shards within and replicates across a
+#   2-D mesh. In practice: initialise on the meta device, clip with
+#   `clip_grad_norm_`, accumulate with `set_requires_gradient_sync(False)`,
+#   wrap for checkpointing before `fully_shard`; build the optimizer after
+#   sharding; save with DCP or a full state dict.
+# - On GPUs the launcher's groups are `cpu:gloo,cuda:nccl`: CPU tensors
+#   (offloading, checkpoints, a CPU collective) need the gloo half.
 # - DCP checkpoints reshard on load: saved by 2 ranks, loaded by 4.
 # - A fake process group with fake tensors predicts a 7B model's memory per
-#   GPU from the real code; beyond a few GPUs the activations dominate.
+#   GPU from the real code, on the second step (the first has no optimizer
+#   state yet); beyond a few GPUs the activations dominate.
 
 # %% [markdown]
 # ## Exercises
@@ -1061,31 +1245,34 @@ def reshard_checkpoint(shards, shapes, new_world_size):
 check_reshard_checkpoint(reshard_checkpoint)
 
 # %% [markdown]
-# ### Exercise 9.3: predict the collectives
+# ### Exercise 9.3: clip gradients you hold a slice of
 #
-# A model of `blocks` blocks, each `fully_shard`-ed, then the root; the root
-# owns parameters of its own (an output layer after the blocks) when
-# `root_params` is True. Every `fully_shard` call gets the same
-# `reshard_after_forward`: True, False, or None - left out, FSDP2's default
-# (read its docstring: `help(torch.distributed.fsdp.fully_shard)`). Predict
-# how many all-gathers and reduce-scatters one forward and backward
-# dispatches, on 2 ranks, and return `(all_gathers, reduce_scatters)`. The
-# checker runs FSDP2 on such models and counts.
+# Section 4 clipped FSDP2's gradients with `clip_grad_norm_`, which does the
+# work behind the scenes. Build it for the flat shards of section 2: each
+# rank holds only its slice of every (mean) gradient, zero-padded, as
+# `Zero.shards[i].grad` are. Write `clip_sharded_grads(grad_shards,
+# max_norm)`: return the L2 norm of the **whole model's** gradient as a
+# float, the same on every rank, and scale every shard **in place** by
+# `max_norm / (norm + 1e-6)` when that factor is below 1, as
+# `clip_grad_norm_` does. The checker runs it on 2 and 3 ranks, with
+# float32, float64 and bfloat16 gradients, against that rule applied to the
+# full gradients in one process.
 
 # %% tags=["exercise"] exercise="9.3"
-def predict_collectives(blocks, root_params, reshard_after_forward):
+def clip_sharded_grads(grad_shards, max_norm):
     ### BEGIN SOLUTION
-    units = blocks + (1 if root_params else 0)
-    if reshard_after_forward is None:  # True for the blocks, False for the root
-        regathered = blocks
-    else:
-        regathered = units if reshard_after_forward else 0
-    return units + regathered, units
+    squares = torch.stack([g.double().pow(2).sum() for g in grad_shards]).sum()
+    squares = squares.cpu()  # a CPU tensor: the launcher's groups all carry one
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="9.3"
-check_fsdp_collectives(predict_collectives)
+check_clip_sharded(clip_sharded_grads)
 
 # %% [markdown]
 # ## Glossary

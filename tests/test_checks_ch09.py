@@ -3,7 +3,6 @@ mistakes fail with a message that names them."""
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 
 from course_utils.checks import ch09
 from course_utils.checks.ch09 import (
-    check_fsdp_collectives,
+    check_clip_sharded,
     check_reshard_checkpoint,
     check_sharded_linear,
 )
@@ -138,9 +137,9 @@ class OldNames(torch.autograd.Function):
         ctx.save_for_backward(x, ws, bs)
         ctx.of, ctx.inf = out_f, in_f
         n = dist.get_world_size()
-        w = torch.empty(ws.numel() * n)
+        w = ws.new_empty(ws.numel() * n)
         dist.all_gather_into_tensor(w, ws)
-        b = torch.empty(bs.numel() * n)
+        b = bs.new_empty(bs.numel() * n)
         dist.all_gather_into_tensor(b, bs)
         return x @ w[:out_f * in_f].reshape(out_f, in_f).t() + b[:out_f]
 
@@ -148,7 +147,7 @@ class OldNames(torch.autograd.Function):
     def backward(ctx, g):
         x, ws, bs = ctx.saved_tensors
         n = dist.get_world_size()
-        w = torch.empty(ws.numel() * n)
+        w = torch.empty(ws.numel() * n, dtype=ws.dtype)
         dist.all_gather_into_tensor(w, ws)
         w = w[:ctx.of * ctx.inf].reshape(ctx.of, ctx.inf)
         gw, gb = torch.empty_like(ws), torch.empty_like(bs)
@@ -276,6 +275,100 @@ class NoGather(torch.autograd.Function):
         return None, None, None, None, None
 
 
+def gather_float32(shard, shape):
+    full = torch.empty(shard.numel() * dist.get_world_size())  # float32 only
+    dist.all_gather_single(full, shard)
+    return full[:math.prod(shape)].view(shape)
+
+
+class Float32Only(torch.autograd.Function):
+    """Buffers made with torch.empty's default dtype: right for float32 only."""
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = (out_f, in_f)
+        return x @ gather_float32(ws, ctx.shape).T + gather_float32(bs, (out_f,))
+
+    backward = staticmethod(Solution.backward)
+
+
+class CachesWeight(torch.autograd.Function):
+    """Gathers a shape's weight once and keeps it for every later call."""
+
+    cache: dict = {}
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = (out_f, in_f)
+        key = (out_f, in_f, x.dtype)
+        if key not in CachesWeight.cache:
+            CachesWeight.cache[key] = (gather(ws, ctx.shape), gather(bs, (out_f,)))
+        w, b = CachesWeight.cache[key]
+        return x @ w.T + b
+
+    backward = staticmethod(Solution.backward)
+
+
+class SavesOutput(torch.autograd.Function):
+    """Keeps the output for backward, which needs only x and the shards."""
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.shape = (out_f, in_f)
+        y = x @ gather(ws, ctx.shape).T + gather(bs, (out_f,))
+        ctx.save_for_backward(x, ws, bs, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ws, bs, _ = ctx.saved_tensors
+        return (g @ gather(ws, ctx.shape), scatter_mean(g.T @ x, ws),
+                scatter_mean(g.sum(0), bs), None, None)
+
+
+class KeepsSmallWeights(torch.autograd.Function):
+    """Keeps the gathered weight when it is small (under 100 elements)."""
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        w = gather(ws, (out_f, in_f))
+        ctx.shape = (out_f, in_f)
+        ctx.w = w if w.numel() < 100 else None
+        ctx.save_for_backward(x, ws, bs)
+        return x @ w.T + gather(bs, (out_f,))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ws, bs = ctx.saved_tensors
+        w = ctx.w if ctx.w is not None else gather(ws, ctx.shape)
+        return g @ w, scatter_mean(g.T @ x, ws), scatter_mean(g.sum(0), bs), None, None
+
+
+class NoBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = (out_f, in_f)
+        return x @ gather(ws, ctx.shape).T
+
+    backward = staticmethod(Solution.backward)
+
+
+class BiasTwice(torch.autograd.Function):
+    """The right shape, wrong values: the hint must say where, not the shape."""
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = (out_f, in_f)
+        b = gather(bs, (out_f,))
+        return x @ gather(ws, ctx.shape).T + 2 * b
+
+    backward = staticmethod(Solution.backward)
+
+
 class Placeholder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ws, bs, out_f, in_f):
@@ -299,6 +392,12 @@ WRONG_LINEAR = [  # (answer, words its message must contain)
     (KeepsWeight, ["keep only x and the shards"]),
     (StashesWeight, ["keep only x and the shards"]),
     (NoGather, ["all-gather the full weight"]),
+    (Float32Only, ["float64", "dtype"]),
+    (CachesWeight, ["an earlier call's weight"]),
+    (SavesOutput, ["the output", "keep only x and the shards"]),
+    (KeepsSmallWeights, ["the gathered weight", "(5, 3)"]),
+    (NoBias, ["the bias is missing"]),
+    (BiasTwice, ["instead of"]),
 ]
 
 
@@ -319,6 +418,13 @@ def test_right_sharded_linear_pass(cls, linear_runs):
                               for i, (c, _) in enumerate(WRONG_LINEAR)])
 def test_wrong_sharded_linear_fail(cls, words, linear_runs):
     fails(check_sharded_linear, cls, *words)
+
+
+def test_a_wrong_value_of_the_right_shape_is_not_reported_as_a_shape():
+    ch09.run_sharded_linear([BiasTwice])
+    with pytest.raises(ExerciseFailed) as e:
+        check_sharded_linear(BiasTwice)
+    assert "shape (" not in str(e.value)
 
 
 def test_sharded_linear_placeholder_fails_at_once():
@@ -498,6 +604,19 @@ def test_wrong_reshard_fail():
     def one_dict(shards, shapes, m):
         return reshard_solution(shards, shapes, m)[0]
 
+    def pops_step(shards, shapes, m):
+        steps = [s.pop("step") for s in shards]  # the saved checkpoint loses it
+        out = reshard_solution(shards, shapes, m)
+        for d in out:
+            d["step"] = steps[0].clone()
+        return out
+
+    def last_element_off(shards, shapes, m):  # differs only deep in the slice
+        out = reshard_solution(shards, shapes, m)
+        w = out[0]["w"]
+        w[w.numel() - 1] += 1
+        return out
+
     fails(check_reshard_checkpoint, placeholder, "placeholder")
     fails(check_reshard_checkpoint, keeps_old_padding, "old padding")
     fails(check_reshard_checkpoint, chunk_unpadded, "torch.chunk")
@@ -510,110 +629,234 @@ def test_wrong_reshard_fail():
     fails(check_reshard_checkpoint, old_slice_size, "Exercise 9.2")
     fails(check_reshard_checkpoint, padded_with_ones, "rank r gets elements")
     fails(check_reshard_checkpoint, one_dict, "one per new rank")
+    fails(check_reshard_checkpoint, pops_step, "lost ['step']")
+    fails(check_reshard_checkpoint, last_element_off, "instead of")
+    with pytest.raises(ExerciseFailed) as e:  # where the values differ, not
+        check_reshard_checkpoint(last_element_off)  # two identical prefixes
+    assert "seen:     at 8: " in str(e.value)
 
 
 # ------------------------------------------------------------------ 9.3
 
 
-def predict_solution(blocks, root_params, reshard):
-    units = blocks + (1 if root_params else 0)
-    again = blocks if reshard is None else (units if reshard else 0)
-    return units + again, units
+def clip_solution(grad_shards, max_norm):
+    squares = torch.stack([g.double().pow(2).sum() for g in grad_shards]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
 
 
-def predict_table(blocks, root_params, reshard):
-    forward = blocks + int(root_params)
-    backward = {True: forward, False: 0, None: blocks}[reshard]
-    return [forward + backward, forward]
+def clip_vector_norm(grad_shards, max_norm):
+    local = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grad_shards]))
+    squared = local.double() ** 2
+    dist.all_reduce(squared, op=dist.ReduceOp.SUM)
+    total = squared.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grad_shards:
+        g.mul_(coef.to(g.dtype))
+    return total  # a tensor is a number too
 
 
-class Predictor:
-    def __call__(self, blocks, root_params, reshard_after_forward):
-        gathers = 0
-        for unit in range(blocks + bool(root_params)):
-            is_root = unit == blocks
-            gathers += 1
-            if reshard_after_forward or (reshard_after_forward is None and
-                                         not is_root):
-                gathers += 1
-        return gathers, blocks + bool(root_params)
+def clip_python_floats(grad_shards, max_norm):
+    local = sum(float((g.double() ** 2).sum()) for g in grad_shards)
+    t = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(t)
+    norm = math.sqrt(t.item())
+    if norm > max_norm:
+        for g in grad_shards:
+            g *= max_norm / (norm + 1e-6)
+    return norm
 
 
-def predict_numpy(blocks, root_params, reshard):
-    units = np.int64(blocks + root_params)
-    extra = np.int64(blocks) if reshard is None else units * int(bool(reshard))
-    return (units + extra, units)
+class ClipByGather:
+    """all_gather of every rank's sum of squares, then the sum."""
+
+    def __call__(self, grad_shards, max_norm):
+        mine = sum((g.double().square().sum() for g in grad_shards),
+                   torch.zeros((), dtype=torch.float64)).reshape(1)
+        every = [torch.zeros(1, dtype=torch.float64)
+                 for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        norm = float(torch.cat(every).sum().sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            torch._foreach_mul_(list(grad_shards), scale)
+        return norm
 
 
-def predict_dict_keys(blocks, root_params, reshard):
-    again = {"blocks": blocks if reshard in (True, None) else 0,
-             "root": int(root_params and reshard is True)}
-    units = blocks + int(root_params)
-    return tuple(int(v) for v in (units + sum(again.values()), units))
+def clip_get_total_norm(grad_shards, max_norm):
+    local = torch.nn.utils.get_total_norm(grad_shards).double()
+    sq = local * local
+    dist.all_reduce(sq)
+    norm = sq.sqrt()
+    factor = min(1.0, max_norm / (norm.item() + 1e-6))
+    for g in grad_shards:
+        g.mul_(factor)
+    return norm.item()
 
 
-@pytest.mark.parametrize("fn", [predict_solution, predict_table, Predictor(),
-                                predict_numpy, predict_dict_keys])
-def test_right_collectives_pass(fn):
-    check_fsdp_collectives(fn)
+RIGHT_CLIP = [clip_solution, clip_vector_norm, clip_python_floats, ClipByGather(),
+              clip_get_total_norm]
 
 
-def test_wrong_collectives_fail():
-    def placeholder(*args):
+def _local_squares(grad_shards):
+    return torch.stack([g.double().pow(2).sum() for g in grad_shards]).sum()
+
+
+def clip_local_only(grad_shards, max_norm):
+    norm = _local_squares(grad_shards).sqrt().item()
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def clip_sum_of_norms(grad_shards, max_norm):
+    norm = _local_squares(grad_shards).sqrt()
+    dist.all_reduce(norm)
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (norm.item() + 1e-6)))
+    return norm.item()
+
+
+def clip_no_sqrt(grad_shards, max_norm):
+    sq = _local_squares(grad_shards)
+    dist.all_reduce(sq)
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (sq.item() + 1e-6)))
+    return sq.item()
+
+
+def clip_mean_over_ranks(grad_shards, max_norm):
+    sq = _local_squares(grad_shards)
+    dist.all_reduce(sq)
+    norm = (sq / dist.get_world_size()).sqrt().item()
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def clip_largest_rank(grad_shards, max_norm):
+    norm = _local_squares(grad_shards).sqrt()
+    dist.all_reduce(norm, op=dist.ReduceOp.MAX)
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (norm.item() + 1e-6)))
+    return norm.item()
+
+
+def clip_always(grad_shards, max_norm):
+    sq = _local_squares(grad_shards)
+    dist.all_reduce(sq)
+    norm = sq.sqrt().item()
+    for g in grad_shards:
+        g.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+def clip_inverted(grad_shards, max_norm):
+    sq = _local_squares(grad_shards)
+    dist.all_reduce(sq)
+    norm = sq.sqrt().item()
+    if norm > max_norm:
+        for g in grad_shards:
+            g.mul_(norm / max_norm)
+    return norm
+
+
+def clip_new_tensors(grad_shards, max_norm):
+    norm = clip_solution([g.clone() for g in grad_shards], max_norm)
+    grad_shards[:] = [g * min(1.0, max_norm / (norm + 1e-6)) for g in grad_shards]
+    return norm
+
+
+def clip_never_scales(grad_shards, max_norm):
+    return clip_solution([g.clone() for g in grad_shards], max_norm)
+
+
+def clip_float32(grad_shards, max_norm):
+    sq = torch.stack([g.float().pow(2).sum() for g in grad_shards]).sum()
+    dist.all_reduce(sq)
+    norm = sq.sqrt().item()
+    for g in grad_shards:
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+class ClipCached:
+    """Computes the norm once per list of shapes and keeps it."""
+
+    def __init__(self):
+        self.norms = {}
+
+    def __call__(self, grad_shards, max_norm):
+        key = tuple((tuple(g.shape), g.dtype) for g in grad_shards)
+        if key not in self.norms:
+            self.norms[key] = clip_solution([g.clone() for g in grad_shards], max_norm)
+        norm = self.norms[key]
+        for g in grad_shards:
+            g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+        return norm
+
+
+def clip_rank0_scales(grad_shards, max_norm):
+    norm = clip_solution([g.clone() for g in grad_shards], max_norm)
+    if dist.get_rank() == 0:
+        for g in grad_shards:
+            g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def clip_rank0_reduces(grad_shards, max_norm):
+    sq = _local_squares(grad_shards)
+    if dist.get_rank() == 0:  # the others never join: a hang
+        dist.all_reduce(sq)
+    return sq.sqrt().item()
+
+
+def clip_a_list(grad_shards, max_norm):
+    clip_solution(grad_shards, max_norm)
+    return [g.norm().item() for g in grad_shards]
+
+
+WRONG_CLIP = [  # (answer, words its message must contain)
+    (clip_local_only, ["this rank's slices only"]),
+    (clip_sum_of_norms, ["norms do not add"]),
+    (clip_no_sqrt, ["square root is missing"]),
+    (clip_mean_over_ranks, ["not a mean"]),
+    (clip_largest_rank, ["largest rank's norm"]),
+    (clip_always, ["below max_norm", "leave the gradients"]),
+    (clip_inverted, ["inverted"]),
+    (clip_new_tensors, ["in place"]),
+    (clip_never_scales, ["unchanged"]),
+    (clip_float32, ["float64"]),
+    (ClipCached(), ["an earlier call"]),
+    (clip_rank0_scales, ["rank 1", "unchanged"]),
+    (clip_rank0_reduces, ["Exercise 9.3"]),
+    (clip_a_list, ["as a number"]),
+]
+
+
+@pytest.fixture(scope="module")
+def clip_runs():
+    """Every answer of 9.3 run in one launch; each test judges its own."""
+    ch09.run_clip(RIGHT_CLIP + [fn for fn, _ in WRONG_CLIP])
+
+
+@pytest.mark.parametrize("fn", RIGHT_CLIP)
+def test_right_clip_pass(fn, clip_runs):
+    check_clip_sharded(fn)
+
+
+@pytest.mark.parametrize("fn, words", WRONG_CLIP,
+                         ids=[getattr(f, "__name__", type(f).__name__)
+                              for f, _ in WRONG_CLIP])
+def test_wrong_clip_fail(fn, words, clip_runs):
+    fails(check_clip_sharded, fn, *words)
+
+
+def test_clip_placeholder_fails_at_once():
+    def placeholder(grad_shards, max_norm):
         raise NotImplementedError("Exercise 9.3")
 
-    def always_twice(blocks, root_params, reshard):
-        units = blocks + root_params
-        return 2 * units, units
-
-    def ignores_reshard(blocks, root_params, reshard):
-        units = blocks + root_params
-        return units, units
-
-    def none_as_false(blocks, root_params, reshard):
-        return predict_solution(blocks, root_params, bool(reshard))
-
-    def none_as_true(blocks, root_params, reshard):
-        return predict_solution(blocks, root_params, reshard is not False)
-
-    def forgets_root_reduce(blocks, root_params, reshard):
-        return predict_solution(blocks, root_params, reshard)[0], blocks
-
-    def reduce_twice(blocks, root_params, reshard):
-        ag, rs = predict_solution(blocks, root_params, reshard)
-        return ag, 2 * rs
-
-    def root_never_gathered(blocks, root_params, reshard):
-        return predict_solution(blocks, False, reshard)[0], blocks + root_params
-
-    def swapped_pair(blocks, root_params, reshard):
-        return predict_solution(blocks, root_params, reshard)[::-1]
-
-    def a_word(blocks, root_params, reshard):
-        return "eight and four"
-
-    def one_number(blocks, root_params, reshard):
-        return sum(predict_solution(blocks, root_params, reshard))
-
-    def root_not_regathered_when_true(blocks, root_params, reshard):
-        units = blocks + root_params
-        return units + (blocks if reshard in (True, None) else 0), units
-
-    fails(check_fsdp_collectives, placeholder, "placeholder")
-    fails(check_fsdp_collectives, always_twice, "nothing is freed")
-    fails(check_fsdp_collectives, ignores_reshard, "freed after forward")
-    fails(check_fsdp_collectives, none_as_false, "left out")
-    fails(check_fsdp_collectives, none_as_true, "left out")
-    fails(check_fsdp_collectives, forgets_root_reduce, "the root counts")
-    fails(check_fsdp_collectives, reduce_twice, "reduce-scatter")
-    fails(check_fsdp_collectives, root_never_gathered, "Exercise 9.3")
-    fails(check_fsdp_collectives, swapped_pair, "Exercise 9.3")
-    fails(check_fsdp_collectives, a_word, "a pair")
-    fails(check_fsdp_collectives, one_number, "a pair")
-    fails(check_fsdp_collectives, root_not_regathered_when_true, "the root too")
-
-
-def test_measured_collectives_are_cached():
-    first = ch09.measured_collectives()
-    assert ch09.measured_collectives() is first
-    assert first[(3, False, True)] == (6, 3)
+    fails(check_clip_sharded, placeholder, "placeholder")

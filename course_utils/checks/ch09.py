@@ -1,16 +1,16 @@
 """Checkers for Chapter 9 (sharded data parallelism).
 
-9.1 runs the learner's ``ShardedLinear`` in real processes: one launch of 5
-ranks that form two independent process groups, of 2 and of 3 ranks (keys
-apart in one store), so both world sizes are tried at once. Sizes are odd,
-so the shards need padding; the output, the input's gradient and each
-rank's shard gradients are compared with one process, and the bytes the
-forward keeps for backward (saved tensors and tensors on ``ctx``) are
-counted. 9.2 is a pure function, tried on
-many world sizes, dtypes and odd shapes. 9.3 compares the learner's
-predicted collective counts with those ``CommDebugMode`` counts in a real
-FSDP2 step (measured once per process, for every model the checker asks
-about).
+9.1 and 9.3 run the learner's code in real processes: one launch of 5 ranks
+that form two independent process groups, of 2 and of 3 ranks (keys apart in
+one store), so both world sizes are tried at once, with float32, float64 and
+bfloat16 tensors of odd sizes, and one shape called twice with other values
+(state kept across calls shows). 9.1 compares the output, the input's
+gradient and each rank's shard gradients with one process, and names
+everything the forward keeps for backward besides x and the shards (saved
+tensors and tensors on ``ctx``), in every case. 9.3 compares the returned
+norm and the shards, scaled in place, with ``clip_grad_norm_``'s rule. 9.2 is
+a pure function, tried on many world sizes, dtypes and odd shapes; the
+checkpoint it is given is watched for any change.
 """
 
 from __future__ import annotations
@@ -48,26 +48,35 @@ def _shard(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- exercise 9.1
 
-CASES_91 = ((13, 11, 3), (64, 97, 2))  # (out_features, in_features, rows)
+# (out_features, in_features, rows, dtype, seed): odd sizes; a small layer
+# whose weight is smaller than a rank's activations; float64 and bfloat16;
+# the first shape again with other weights (a weight cached across calls
+# shows there)
+CASES_91 = ((13, 11, 3, torch.float32, 0), (64, 97, 2, torch.float32, 0),
+            (5, 3, 4, torch.float64, 0), (7, 9, 5, torch.bfloat16, 0),
+            (13, 11, 3, torch.float32, 1))
+REPEATED_91 = {4: 0}  # case 4 has case 0's shape, with other weights
 
 
-def _linear_problem(out_f: int, in_f: int, rows: int, rank: int):
-    g = torch.Generator().manual_seed(out_f * 1000 + in_f)
-    w = torch.randn(out_f, in_f, generator=g)
-    b = torch.randn(out_f, generator=g)
-    g.manual_seed(7 + 31 * rank + out_f)
-    x = torch.randn(rows, in_f, generator=g)
-    c = torch.randn(rows, out_f, generator=g)  # the loss is (y * c).sum()
+def _linear_problem(out_f: int, in_f: int, rows: int, dtype, seed: int, rank: int):
+    g = torch.Generator().manual_seed(out_f * 1000 + in_f + 7919 * seed)
+    w = torch.randn(out_f, in_f, generator=g).to(dtype)
+    b = torch.randn(out_f, generator=g).to(dtype)
+    g.manual_seed(7 + 31 * rank + out_f + 101 * seed)
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    c = torch.randn(rows, out_f, generator=g).to(dtype)  # the loss is (y * c).sum()
     return w, b, x, c
 
 
-def _kept_for_backward(y, *inputs: torch.Tensor) -> int:
-    """Bytes a custom autograd function's forward kept for its backward,
-    besides the storages of ``inputs``: its saved tensors and any tensor put
-    on ``ctx`` as an attribute (``ctx`` is the output's ``grad_fn``)."""
+def _kept_for_backward(y, known: dict[str, torch.Tensor], own) -> list[tuple]:
+    """What a custom autograd function's forward kept for its backward,
+    besides the storages of ``own`` (its inputs): its saved tensors and any
+    tensor put on ``ctx`` as an attribute (``ctx`` is the output's
+    ``grad_fn``). Each as ``(what, bytes)``, ``what`` the name in ``known``
+    whose values it equals, or its shape."""
     node = getattr(y, "grad_fn", None)
     if node is None:
-        return 0
+        return []
     found: list = []
 
     def collect(v):
@@ -85,26 +94,38 @@ def _kept_for_backward(y, *inputs: torch.Tensor) -> int:
     except RuntimeError:  # nothing saved, or already freed
         pass
     collect(list(getattr(node, "__dict__", {}).values()))
-    own = {t.untyped_storage().data_ptr() for t in inputs}
-    seen, kept = set(), 0
+    seen = {t.untyped_storage().data_ptr() for t in own}
+    kept = []
     for t in found:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in own | seen:
-            seen.add(storage.data_ptr())
-            kept += storage.nbytes()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        what = next((name for name, k in known.items() if t.shape == k.shape
+                     and torch.equal(t.detach(), k.detach())), None)
+        if what is None:
+            what = next((f"{name} (transposed)" for name, k in known.items()
+                         if k.dim() == 2 and t.shape == k.T.shape
+                         and torch.equal(t.detach(), k.detach().T)),
+                        f"a tensor of shape {tuple(t.shape)}")
+        kept.append((what, storage.nbytes()))
     return kept
 
 
 def _linear_cases(fn, rank: int, n: int) -> list[dict]:
     """Every case of 9.1 for one class, on this rank of an n-rank group."""
     results = []
-    for out_f, in_f, rows in CASES_91:
-        w, b, x, c = _linear_problem(out_f, in_f, rows, rank)
+    for out_f, in_f, rows, dtype, seed in CASES_91:
+        w, b, x, c = _linear_problem(out_f, in_f, rows, dtype, seed, rank)
         ws = _shard(w, rank, n).requires_grad_()
         bs = _shard(b, rank, n).requires_grad_()
         x = x.requires_grad_()
         y = fn.apply(x, ws, bs, out_f, in_f)
-        kept = _kept_for_backward(y, x, ws, bs)
+        known = {"x": x, "shard": ws, "bias shard": bs, "the gathered weight": w,
+                 "the gathered bias": b,
+                 "the output": y if isinstance(y, torch.Tensor) else x}
+        kept = [k for k in _kept_for_backward(y, known, (x, ws, bs))  # copies of
+                if k[0] not in ("x", "shard", "bias shard")]  # x, shards: fine
         if isinstance(y, torch.Tensor) and y.requires_grad:
             (y * c).sum().backward()
         results.append({
@@ -116,10 +137,12 @@ def _linear_cases(fn, rank: int, n: int) -> list[dict]:
     return results
 
 
-def _linear_rank(launched: int, nprocs: int, classes: list, wait_s: float) -> list:
-    """One rank of one of the two groups. The group is reused from class to
-    class, and made anew after a class that failed on any of its ranks, so that
-    one class's error cannot disturb the next."""
+def _group_rank(launched: int, nprocs: int, cases, classes: list,
+                wait_s: float) -> list:
+    """One rank of one of the two groups, running ``cases(fn, rank, n)`` for
+    every answer. The group is reused from answer to answer, and made anew
+    after an answer that failed on any of its ranks, so that one answer's
+    error cannot disturb the next."""
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
@@ -146,12 +169,12 @@ def _linear_rank(launched: int, nprocs: int, classes: list, wait_s: float) -> li
     for i, fn in enumerate(classes):
         failed = 0
         try:
-            out.append((n, rank, _linear_cases(fn, rank, n)))
+            out.append((n, rank, cases(fn, rank, n)))
         except Exception as e:  # noqa: BLE001 - judged by the parent
             first = (str(e).splitlines() or [""])[0]
             out.append((n, rank, f"{type(e).__name__}: {first}"))
             failed = 1
-        key = f"group{n}/class{i}"
+        key = f"group{n}/answer{i}"
         shared.add(f"{key}/failed", failed)
         shared.add(f"{key}/done", 1)
         wait_for(f"{key}/done", n)
@@ -166,7 +189,25 @@ def _linear_rank(launched: int, nprocs: int, classes: list, wait_s: float) -> li
     return out
 
 
-_LINEAR_RUNS: dict = {}
+_RUNS: dict = {}
+
+
+def _run_groups(cases, answers: list, wait_s: float) -> None:
+    """Run ``cases`` for several answers in one launch of both groups; keep
+    what each did, by answer."""
+    nprocs = sum(n for _, n in GROUPS)
+    try:
+        ranks = [r.value for r in launch(
+            _group_rank, nprocs, args=(cases, list(answers), wait_s),
+            timeout=TIMEOUT_S + 2 * wait_s * len(answers), init=False,
+            echo=False, backend="gloo")]
+    except RankFailed as e:
+        ranks = str(e).splitlines()[0][:240]
+    except LaunchTimeout as e:
+        ranks = "timeout: " + str(e).splitlines()[0][:200]
+    for i, answer in enumerate(answers):
+        _RUNS[cases, answer] = ranks if isinstance(ranks, str) else [
+            r[i] for r in ranks]
 
 
 def run_sharded_linear(classes: list, wait_s: float = 10.0) -> None:
@@ -175,24 +216,13 @@ def run_sharded_linear(classes: list, wait_s: float = 10.0) -> None:
     ``check_sharded_linear`` then judges a class from these results instead of
     launching again (the checker tests use it: one launch for all answers).
     """
-    nprocs = sum(n for _, n in GROUPS)
-    try:
-        ranks = [r.value for r in launch(
-            _linear_rank, nprocs, args=(list(classes), wait_s),
-            timeout=TIMEOUT_S + 2 * wait_s * len(classes), init=False,
-            echo=False, backend="gloo")]
-    except RankFailed as e:
-        ranks = str(e).splitlines()[0][:240]
-    except LaunchTimeout as e:
-        ranks = "timeout: " + str(e).splitlines()[0][:200]
-    for i, cls in enumerate(classes):
-        _LINEAR_RUNS[cls] = ranks if isinstance(ranks, str) else [r[i] for r in ranks]
+    _run_groups(_linear_cases, classes, wait_s)
 
 
-def _linear_results(ex: str, cls) -> list:
-    if cls not in _LINEAR_RUNS:
-        run_sharded_linear([cls])
-    runs = _LINEAR_RUNS.pop(cls)
+def _group_results(ex: str, cases, answer, what: str) -> list:
+    if (cases, answer) not in _RUNS:
+        _run_groups(cases, [answer], 10.0)
+    runs = _RUNS.pop((cases, answer))
     if isinstance(runs, str):  # the launch itself failed
         fail(ex, "every rank to finish", runs, "a rank waits for ever in a "
              "collective another rank never calls")
@@ -212,19 +242,62 @@ def _linear_results(ex: str, cls) -> list:
         fail(ex, "collectives on tensors that split into N equal slices",
              cause[:200], "pad the flattened tensor to a multiple of the world "
              "size before a reduce-scatter (the shards already are)")
+    if any(w in cause for w in ("dtype", "Float", "Double", "BFloat16", "type")):
+        fail(ex, f"{what} for float32, float64 and bfloat16 tensors", cause[:200],
+             "make every buffer in the input's dtype (new_empty, empty_like), "
+             "not torch.empty's default float32")
     if cause in errors and any(p in cause for p in peer):
         fail(ex, "every rank to call the same collectives", cause[:200],
-             "each rank must run the same all-gathers and reduce-scatters")
-    fail(ex, "ShardedLinear to run on 2 and 3 ranks", cause[:240],
-         "read the error; run your class by hand on one case to find its line")
+             "each rank must run the same collectives, in the same order")
+    fail(ex, f"{what} to run on 2 and 3 ranks", cause[:240],
+         "read the error; run your code by hand on one case to find its line")
+
+
+def _tolerance(dtype) -> tuple[float, float]:
+    """(rtol, atol relative to the largest expected value) per dtype."""
+    return {torch.float64: (1e-9, 1e-12), torch.bfloat16: (3e-2, 3e-2)}.get(
+        dtype, (1e-4, 1e-5))
 
 
 def _close(a, b) -> bool:
-    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(
-        a.double(), b.double(), rtol=1e-4, atol=1e-5)
+    if not (isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype):
+        return False
+    rtol, atol = _tolerance(b.dtype)
+    want = b.double()
+    return torch.allclose(a.double(), want, rtol=rtol,
+                          atol=atol * max(1.0, want.abs().max().item()))
 
 
-def check_sharded_linear(ShardedLinear) -> None:
+def _where_they_differ(seen: torch.Tensor, want: torch.Tensor) -> str:
+    """The largest difference, where it is, and both values there."""
+    diff = (seen.double() - want.double()).abs()
+    i = int(diff.flatten().argmax())
+    at = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), diff.shape))
+    return (f"at {at if len(at) > 1 else at[0]}: {seen.flatten()[i].item():.5g} "
+            f"instead of {want.flatten()[i].item():.5g} (largest difference "
+            f"{diff.max().item():.3g})")
+
+
+def _output_hint(seen, x, w, b, stale) -> tuple[str, str]:
+    """(what was seen, a hint) for a wrong output, from what it equals."""
+    if not isinstance(seen, torch.Tensor):
+        return type(seen).__name__, "return a tensor: x @ W.T + b"
+    want = x @ w.T + b
+    if seen.dtype != want.dtype:
+        return f"dtype {seen.dtype}", "keep the input's dtype (x.dtype) throughout"
+    if seen.shape != want.shape:
+        return (f"shape {tuple(seen.shape)}", "all-gather the full weight and "
+                "bias from the shards first, and drop the padding")
+    if _close(seen, x @ w.T):
+        return "x @ W.T: the bias is missing", "add the gathered bias"
+    if stale is not None and _close(seen, x @ stale[0].T + stale[1]):
+        return ("the output of an earlier call's weight", "gather the weight on "
+                "every call: a cache keyed by shape serves another layer's weight")
+    return _where_they_differ(seen, want), ("all-gather the full weight and bias "
+                                            "from the shards first")
+
+
+def check_sharded_linear(ShardedLinear) -> None:  # noqa: C901, PLR0912
     """Exercise 9.1: a ZeRO-3 linear layer as an autograd function."""
     ex = "9.1"
     for name in ("forward", "backward"):
@@ -234,29 +307,37 @@ def check_sharded_linear(ShardedLinear) -> None:
             ShardedLinear, torch.autograd.Function)):
         fail(ex, "a torch.autograd.Function subclass", f"{ShardedLinear!r:.60}",
              "keep `class ShardedLinear(torch.autograd.Function)`")
-    results = _linear_results(ex, ShardedLinear)
+    results = _group_results(ex, _linear_cases, ShardedLinear, "ShardedLinear")
     for n, rank, cases in results:
-        for (out_f, in_f, rows), got in zip(CASES_91, cases, strict=True):
-            where = f"{n} ranks, rank {rank}, weight ({out_f}, {in_f})"
-            w, b, x, c = _linear_problem(out_f, in_f, rows, rank)
+        for i, ((out_f, in_f, rows, dtype, seed), got) in enumerate(
+                zip(CASES_91, cases, strict=True)):
+            where = (f"{n} ranks, rank {rank}, weight ({out_f}, {in_f}), "
+                     f"{str(dtype).replace('torch.', '')}"
+                     + (", a second layer of that shape" if seed else ""))
+            w, b, x, c = _linear_problem(out_f, in_f, rows, dtype, seed, rank)
             if not _close(got["y"], x @ w.T + b):
-                seen = (f"shape {tuple(got['y'].shape)}" if isinstance(
-                    got["y"], torch.Tensor) else f"{type(got['y']).__name__}")
-                fail(ex, f"the output x @ W.T + b ({where})", seen,
-                     "all-gather the full weight and bias from the shards first")
+                earlier = CASES_91[REPEATED_91[i]] if i in REPEATED_91 else None
+                stale = (_linear_problem(*earlier, rank)[:2] if earlier else None)
+                seen, hint = _output_hint(got["y"], x, w, b, stale)
+                fail(ex, f"the output x @ W.T + b ({where})", seen, hint)
+            if got["x.grad"] is None:
+                fail(ex, f"the gradient of x, grad_out @ W ({where})", "None",
+                     "backward returns the input's gradient first")
             if not _close(got["x.grad"], c @ w):
                 fail(ex, f"the gradient of x, grad_out @ W ({where})",
-                     "None" if got["x.grad"] is None else "other values",
+                     _where_they_differ(got["x.grad"], c @ w)
+                     if got["x.grad"].shape == x.shape else
+                     f"shape {tuple(got['x.grad'].shape)}",
                      "backward returns the input's gradient first, computed with "
-                     "the full (re-gathered) weight")
-            grads_w = [c_r.T @ x_r for c_r, x_r in (
-                _linear_problem(out_f, in_f, rows, r)[3:1:-1] for r in range(n))]
-            grads_b = [_linear_problem(out_f, in_f, rows, r)[3].sum(0)
-                       for r in range(n)]
+                     "the full (re-gathered) weight of this call")
+            problems = [_linear_problem(out_f, in_f, rows, dtype, seed, r)
+                        for r in range(n)]
+            grads_w = [(c_r.T.double() @ x_r.double()) for _, _, x_r, c_r in problems]
+            grads_b = [c_r.double().sum(0) for *_, c_r in problems]
             for what, grads, seen in (("weight", grads_w, got["w.grad"]),
                                       ("bias", grads_b, got["b.grad"])):
                 total = sum(grads)
-                want = _shard(total / n, rank, n)
+                want = _shard(total / n, rank, n).to(dtype)
                 label = f"this rank's slice of the mean {what} gradient ({where})"
                 if seen is None:
                     fail(ex, label, "None", f"return a gradient for the {what} "
@@ -267,28 +348,31 @@ def check_sharded_linear(ShardedLinear) -> None:
                          "shard's shape: reduce-scatter the full gradient")
                 if _close(seen, want):
                     continue
-                if _close(seen, _shard(total, rank, n)):
+                if seen.dtype != want.dtype:
+                    fail(ex, label, f"dtype {seen.dtype}", "keep the shard's dtype")
+                if _close(seen, _shard(total, rank, n).to(dtype)):
                     fail(ex, label, f"the sum over the {n} ranks",
                          "reduce-scatter sums: divide by the world size")
-                if _close(seen, _shard(grads[rank], rank, n)):
+                if _close(seen, _shard(grads[rank], rank, n).to(dtype)):
                     fail(ex, label, "this rank's own gradient, not averaged",
                          "reduce-scatter the gradient over the ranks")
-                if any(_close(seen, _shard(total / k, rank, n)) for k in (1, 2, 3, 4)):
+                if any(_close(seen, _shard(total / k, rank, n).to(dtype))
+                       for k in (1, 2, 3, 4, 9)):
                     fail(ex, label, "the sum divided by another number",
                          "divide by dist.get_world_size(), not a fixed number")
-                fail(ex, label, "other values", "reduce-scatter the padded, "
-                     "flattened gradient, then divide by the world size")
+                fail(ex, label, _where_they_differ(seen, want), "reduce-scatter "
+                     "the padded, flattened gradient, then divide by the world size")
     for n, _rank, cases in results:
-        got = cases[-1]
-        out_f, in_f, _ = CASES_91[-1]
-        weight_bytes = out_f * in_f * 4
-        if got["kept"] >= weight_bytes // 2:
-            fail(ex, f"forward to keep only x and the shards ({n} ranks, weight "
-                 f"{weight_bytes} bytes)", f"{got['kept']} more bytes kept for "
-                 "backward", "do not save the gathered weight (or anything made "
-                 "from it) for backward: gather it again there")
-    passed(ex, "Equal to one process on 2 and 3 ranks, with padding, keeping only "
-               "the shards between forward and backward.")
+        for (out_f, in_f, *_), got in zip(CASES_91, cases, strict=True):
+            if got["kept"]:
+                what = ", ".join(f"{w} ({nbytes} bytes)" for w, nbytes in got["kept"])
+                fail(ex, f"forward to keep only x and the shards ({n} ranks, weight "
+                     f"({out_f}, {in_f}))", f"also kept for backward: {what}",
+                     "save only x and the shards (save_for_backward or ctx); "
+                     "gather the weight again in backward")
+    passed(ex, f"Equal to one process on 2 and 3 ranks, {len(CASES_91)} layers "
+               "(float32, float64, bfloat16; padding; a second layer of one "
+               "shape), keeping only x and the shards between forward and backward.")
 
 
 # ---------------------------------------------------------------- exercise 9.2
@@ -302,6 +386,7 @@ def _full_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     state = {name: torch.randn(shape, generator=g) for name, shape in SHAPES_92.items()}
     state["b"] = state["b"].to(torch.bfloat16)
+    state["b.exp_avg"] = state["b.exp_avg"].to(torch.float64)
     state["emb"] = torch.randint(0, 100, (3, 1), generator=g)  # an int64 tensor
     state["step"] = torch.tensor(float(seed % 7 + 3))  # replicated scalar
     return state
@@ -312,6 +397,24 @@ def _cut(state: dict, n: int) -> list[dict]:
              for k, v in state.items()} for r in range(n)]
 
 
+def _what_changed(shards: list, kept: list, shapes: dict) -> str:
+    """How the learner changed the checkpoint it was given, or ''."""
+    if shapes != SHAPES_92:
+        return "the shapes dictionary was changed"
+    if not isinstance(shards, list) or len(shards) != len(kept):
+        return f"the list of shards now has {len(shards)} dictionaries"
+    for r, (a, b) in enumerate(zip(shards, kept, strict=True)):
+        if set(a) != set(b):
+            gone, new = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+            return (f"rank {r}'s dictionary lost {gone}" if gone else
+                    f"rank {r}'s dictionary gained {new}")
+        for k in b:
+            if not (isinstance(a[k], torch.Tensor) and a[k].dtype == b[k].dtype
+                    and a[k].shape == b[k].shape and torch.equal(a[k], b[k])):
+                return f"rank {r}'s {k!r} was changed"
+    return ""
+
+
 def check_reshard_checkpoint(reshard_checkpoint) -> None:
     """Exercise 9.2: flat padded shards of N ranks -> those of M ranks."""
     ex = "9.2"
@@ -319,14 +422,14 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
     for i, (n, m) in enumerate(CASES_92):
         state = _full_state(i)
         shards = _cut(state, n)
-        kept = copy.deepcopy(shards)
+        kept, shapes = copy.deepcopy(shards), dict(SHAPES_92)
         case = f"{n} ranks -> {m} ranks"
-        got = call_learner(ex, reshard_checkpoint, shards, dict(SHAPES_92), m)
-        if not all(torch.equal(a[k], b[k]) for a, b in zip(shards, kept, strict=True)
-                   for k in a):
-            fail(ex, f"the saved shards left as they were ({case})",
-                 "they were changed", "build new tensors; the checkpoint you read "
-                 "from is someone's only copy")
+        got = call_learner(ex, reshard_checkpoint, shards, shapes, m)
+        changed = _what_changed(shards, kept, shapes)
+        if changed:
+            fail(ex, f"the saved shards and shapes left as they were ({case})",
+                 changed, "build new dictionaries and tensors; the checkpoint you "
+                 "read from is someone's only copy")
         if not isinstance(got, (list, tuple)) or len(got) != m:
             fail(ex, f"a list of {m} dictionaries, one per new rank ({case})",
                  f"{type(got).__name__} of length "
@@ -367,94 +470,151 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
                          "size, and give every rank an equal slice (torch.chunk "
                          "without padding makes unequal or missing slices)")
                 if not torch.equal(s, t):
-                    fail(ex, label, f"{s[:4].tolist()} ... instead of "
-                         f"{t[:4].tolist()} ...", "rank r gets elements r * size "
-                         "... (r + 1) * size of the padded flat tensor")
-    passed(ex, f"{len(CASES_92)} reshardings (1 to 7 ranks), odd sizes, fp32, bf16 "
-               "and int64 tensors, replicated step: all exact.")
+                    fail(ex, label, _where_they_differ(s, t), "rank r gets elements "
+                         "r * size ... (r + 1) * size of the padded flat tensor")
+    passed(ex, f"{len(CASES_92)} reshardings (1 to 7 ranks), odd sizes, float32, "
+               "float64, bfloat16 and int64 tensors, replicated step: all exact, "
+               "the saved checkpoint untouched.")
 
 
 # ---------------------------------------------------------------- exercise 9.3
 
-CASES_93 = tuple((blocks, root, reshard) for blocks in (1, 3) for root in (False, True)
-                 for reshard in (True, False, None))
-_MEASURED: dict[tuple, tuple[int, int]] = {}
+# (parameter shapes, dtype, scale of the gradients, seed): a norm above
+# max_norm (clipped) and below it (left alone), float32, float64, bfloat16,
+# one case whose gradient lives on the last rank's slices only, and a second
+# call with other gradients of the same shapes (an answer with state shows)
+MAX_NORM_93 = 1.0
+CASES_93 = (
+    (((5, 7), (5,), (3, 1)), torch.float32, 1.0, 0),
+    (((5, 7), (5,), (3, 1)), torch.float32, 0.02, 1),
+    (((4, 4), (9,)), torch.float64, 1.0, 2),
+    (((6, 3), (2,)), torch.bfloat16, 1.0, 3),
+    (((5, 7), (5,), (3, 1)), torch.float32, 1.0, 4),
+    (((11,), (2, 3)), torch.float32, 3.0, "tail"),
+)
 
 
-def _collective_rank(rank: int, world_size: int, cases) -> dict:
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    warnings.simplefilter("ignore")
-    mesh = init_device_mesh("cpu", (world_size,))
-    counts = {}
-    for blocks, root, reshard in cases:
-        torch.manual_seed(0)
-        layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(blocks)]
-        if root:
-            layers.append(nn.Linear(6, 3))
-        model = nn.Sequential(*layers)
-        options = {} if reshard is None else {"reshard_after_forward": reshard}
-        for block in model[:blocks]:
-            fully_shard(block, mesh=mesh, **options)
-        fully_shard(model, mesh=mesh, **options)
-        comm = CommDebugMode()
-        with comm:
-            model(torch.randn(4, 6)).sum().backward()
-        found = {str(k): v for k, v in comm.get_comm_counts().items()}
-        counts[(blocks, root, reshard)] = (
-            sum(v for k, v in found.items() if "allgather" in k),
-            sum(v for k, v in found.items() if "reduce_scatter" in k))
-    return counts
+def _clip_problem(shapes, dtype, scale, seed) -> list[torch.Tensor]:
+    """The full (mean) gradient of each parameter, in ``dtype``."""
+    g = torch.Generator().manual_seed(1000 + (7 if seed == "tail" else seed))
+    grads = [torch.randn(shape, generator=g) * scale for shape in shapes]
+    if seed == "tail":  # all the norm is at the end: only the last slices see it
+        grads = [torch.zeros(shape) for shape in shapes[:-1]] + [grads[-1]]
+        grads[-1].view(-1)[:-1] = 0
+    return [t.to(dtype) for t in grads]
 
 
-def measured_collectives() -> dict[tuple, tuple[int, int]]:
-    """(all-gathers, reduce-scatters) of one FSDP2 forward+backward, per case."""
-    if not _MEASURED:
-        ranks = launch(_collective_rank, 2, args=(CASES_93,), timeout=120,
-                       echo=False, backend="gloo")
-        _MEASURED.update(ranks[0].value)
-    return _MEASURED
+def _clip_cases(fn, rank: int, n: int) -> list[dict]:
+    """Every case of 9.3 for one function, on this rank of an n-rank group."""
+    results = []
+    for shapes, dtype, scale, seed in CASES_93:
+        shards = [_shard(t, rank, n) for t in _clip_problem(shapes, dtype, scale, seed)]
+        given = list(shards)
+        norm = fn(shards, MAX_NORM_93)
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().double().cpu()
+            norm = norm.item() if norm.numel() == 1 else norm.tolist()
+        results.append({"norm": norm, "same list": len(shards) == len(given)
+                        and all(a is b for a, b in zip(shards, given, strict=True)),
+                        "shards": [t.clone() for t in given]})
+    return results
 
 
-def check_fsdp_collectives(predict_collectives) -> None:
-    """Exercise 9.3: predict FSDP2's all-gathers and reduce-scatters."""
+def run_clip(functions: list, wait_s: float = 10.0) -> None:
+    """Run 9.3's cases for several functions in one launch (the tests use it)."""
+    _run_groups(_clip_cases, functions, wait_s)
+
+
+def _norm_hint(seen: float, want: float, grads, n: int, rank: int,
+               agreed: bool) -> str:
+    """What a wrong norm equals, as a hint (``agreed``: every rank returned it)."""
+    flat = [_padded_flat(g.double(), n).chunk(n) for g in grads]
+    squares = [sum(float(f[r].pow(2).sum()) for f in flat) for r in range(n)]
+
+    def near(v):
+        return math.isclose(seen, v, rel_tol=2e-2, abs_tol=1e-9)
+
+    if math.isclose(seen, want, rel_tol=1e-3):
+        return ("close, not exact: sum the squares in the gradients' dtype or in "
+                "float64 (float32 loses float64's digits)")
+    if not agreed and near(math.sqrt(squares[rank])):
+        return ("the norm of this rank's slices only: all-reduce the sum of "
+                "squares over the ranks first")
+    if near(sum(math.sqrt(q) for q in squares)):
+        return ("the sum of the ranks' norms: norms do not add; all-reduce the "
+                "squares, then take the square root")
+    if near(want ** 2):
+        return "the square root is missing"
+    if near(math.sqrt(sum(squares) / n)) or near(want / n):
+        return "a sum, not a mean: do not divide by the world size"
+    if agreed and near(max(math.sqrt(q) for q in squares)):
+        return "the largest rank's norm: sum the squares over the ranks instead"
+    return "the L2 norm of all the gradients: sqrt of the sum over ranks of squares"
+
+
+def check_clip_sharded(clip_sharded_grads) -> None:  # noqa: C901
+    """Exercise 9.3: clip gradients from their shards (a global L2 norm)."""
     ex = "9.3"
-    require_solution(ex, predict_collectives)
-    answers = {}
-    for case in CASES_93:
-        got = call_learner(ex, predict_collectives, *case)
-        try:
-            ag, rs = (int(v) for v in got)
-        except (TypeError, ValueError):
-            fail(ex, "a pair (all_gathers, reduce_scatters)", f"{got!r:.60}")
-        answers[case] = (ag, rs)
-    measured = measured_collectives()
-    for case in CASES_93:
-        blocks, root, reshard = case
-        want, seen = measured[case], answers[case]
-        if seen == want:
-            continue
-        what = (f"{blocks} block{'s' if blocks > 1 else ''}, root "
-                f"{'with' if root else 'without'} parameters, "
-                f"reshard_after_forward={reshard}")
-        units = blocks + root
-        if seen[1] != want[1]:
-            hint = ("one reduce-scatter per unit that owns parameters, in backward: "
-                    "the root counts when it has parameters" if seen[1] in (
-                        blocks, units + 1, 2 * units) else
-                    "each fully_shard unit with parameters reduce-scatters its "
-                    "gradients once")
-        elif reshard is None:
-            hint = ("left out, reshard_after_forward is True for the blocks and "
-                    "False for the root (the root is needed again at once)")
-        elif reshard is False:
-            hint = "with False nothing is freed after forward: no backward all-gather"
-        else:
-            hint = ("with True every unit is freed after forward and gathered again "
-                    "in backward - the root too, when it has parameters")
-        fail(ex, f"{want[0]} all-gathers and {want[1]} reduce-scatters ({what}, "
-             "measured)", f"{seen[0]} and {seen[1]}", hint)
-    passed(ex, f"all {len(CASES_93)} models predicted exactly, as FSDP2 ran them.")
+    require_solution(ex, clip_sharded_grads)
+    results = _group_results(ex, _clip_cases, clip_sharded_grads, "clip_sharded_grads")
+    agreed: dict = {}  # the values each case returned, over the ranks
+    for n, _rank, cases in results:
+        for i, got in enumerate(cases):
+            agreed.setdefault((n, i), set()).add(repr(got["norm"]))
+    norms: dict = {}
+    for n, rank, cases in results:
+        for i, ((shapes, dtype, scale, seed), got) in enumerate(
+                zip(CASES_93, cases, strict=True)):
+            grads = _clip_problem(shapes, dtype, scale, seed)
+            want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+            where = (f"{n} ranks, rank {rank}, {len(shapes)} gradients, "
+                     f"{str(dtype).replace('torch.', '')}, norm {want:.4g}"
+                     + (", shapes of an earlier call" if any(
+                         case[:2] == (shapes, dtype) for case in CASES_93[:i]) else "")
+                     + (", all of it on the last rank" if seed == "tail" else ""))
+            seen = got["norm"]
+            if not isinstance(seen, (int, float)):
+                fail(ex, f"the total norm as a number ({where})", f"{seen!r:.60}",
+                     "return a float (or a one-element tensor)")
+            rtol = _tolerance(dtype)[0] if dtype != torch.float32 else 1e-5
+            if not math.isclose(seen, want, rel_tol=rtol, abs_tol=1e-12):
+                earlier = [math.sqrt(sum(float(g.double().pow(2).sum())
+                                         for g in _clip_problem(*case)))
+                           for case in CASES_93[:i] if case[:2] == (shapes, dtype)]
+                hint = ("the norm of an earlier call: compute it from this call's "
+                        "gradients" if any(math.isclose(seen, e, rel_tol=1e-4)
+                                           for e in earlier)
+                        else _norm_hint(seen, want, grads, n, rank,
+                                        len(agreed[n, i]) == 1))
+                fail(ex, f"the total norm {want:.6g} ({where})", f"{seen:.6g}", hint)
+            norms.setdefault((n, i), set()).add(seen)
+            coef = min(1.0, MAX_NORM_93 / (want + 1e-6))
+            if not got["same list"]:
+                fail(ex, f"the shards scaled in place ({where})", "the list or its "
+                     "tensors were replaced", "multiply each shard in place (mul_): "
+                     "the optimizer holds those tensors")
+            for k, (shard, g) in enumerate(zip(got["shards"], grads, strict=True)):
+                expect = _shard((g.double() * coef).to(dtype), rank, n)
+                if _close(shard, expect):
+                    continue
+                unchanged = _shard(g, rank, n)
+                if _close(shard, unchanged) and coef < 1:
+                    hint = ("the shards are unchanged: scale them in place by "
+                            "max_norm / (norm + 1e-6) when the norm is above max_norm")
+                elif coef == 1 and not _close(shard, unchanged):
+                    hint = ("the norm is below max_norm: leave the gradients as "
+                            "they are (the factor is capped at 1)")
+                elif _close(shard, _shard((g.double() / coef).to(dtype), rank, n)):
+                    hint = ("the factor is inverted: max_norm / norm, not "
+                            "norm / max_norm")
+                else:
+                    hint = "scale every shard by min(1, max_norm / (norm + 1e-6))"
+                fail(ex, f"gradient {k} clipped by {coef:.4g} ({where})",
+                     _where_they_differ(shard, expect), hint)
+    split = [key for key, values in norms.items() if len(values) > 1]
+    if split:
+        fail(ex, "the same total norm on every rank", f"{len(split)} cases differ",
+             "all-reduce the squares so that every rank computes the same norm")
+    passed(ex, f"{len(CASES_93)} cases on 2 and 3 ranks (float32, float64, bfloat16; "
+               "clipped and not; a second call): the whole model's norm, the shards "
+               "scaled in place, as clip_grad_norm_ would.")
