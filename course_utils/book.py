@@ -141,9 +141,10 @@ def execute(source: Path, runs: Path = RUNS, force: bool = False) -> Path:
             resources={"metadata": {"path": cwd}})
         # the kernel, and every process it starts, imports this course's
         # course_utils, whichever one the environment has installed
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        pythonpath = os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         try:
-            client.execute(env={**os.environ, "PYTHONPATH": path})
+            client.execute(env={**os.environ, "PYTHONPATH": pythonpath})
         finally:  # the client ends only the kernels it started itself
             if km.has_kernel:
                 km.shutdown_kernel(now=True)
