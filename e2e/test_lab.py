@@ -13,16 +13,24 @@ next cell - and checks that:
 - the plots rendered, and no widget shows as plain text (the widget frontend
   is there);
 - every slider still changes its output after every cell, exercises
-  included, has run (an exercise must not break a chapter's slider);
+  included, has run (an exercise must not break a chapter's slider); the
+  sliders a chapter should show are counted from its code (widgets it makes,
+  ``interact`` abbreviations, course helpers that make sliders), so a slider
+  added to any chapter is checked without a list to update;
+- every cell that draws a figure unconditionally (``plt.show()`` or a course
+  helper that ends in one) shows a rendered image;
 - a notebook opens clean (no unsaved changes before anything ran);
 - the link that ``make lab`` prints opens the start page;
-- interrupting a multi-process cell ends in one line, not a traceback.
+- interrupting a multi-process cell ends in one line, not a traceback, and
+  Chapter 6's torchrun cell, interrupted or restarted mid-run, leaves no
+  process and nothing in the temp directory.
 
 Screenshots go to ``build/e2e/``. Every process started is stopped.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -36,6 +44,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +71,8 @@ def lab(tmp_path_factory):
     """A JupyterLab server on a copy of notebooks/; yields its base URL and token."""
     root = tmp_path_factory.mktemp("course") / "notebooks"
     shutil.copytree(NOTEBOOKS, root)
+    tmp = root.parent / "tmp"  # the kernels' temp directory, watched below
+    tmp.mkdir()
     port, token = _free_port(), secrets.token_hex(16)
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser",
            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
@@ -71,7 +82,8 @@ def lab(tmp_path_factory):
         cmd.append("--allow-root")
     log = open(root.parent / "lab.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True, cwd=root)
+                              start_new_session=True, cwd=root,
+                              env=dict(os.environ, TMPDIR=str(tmp)))
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -85,7 +97,7 @@ def lab(tmp_path_factory):
                     pytest.fail("JupyterLab did not start:\n"
                                 + (root.parent / "lab.log").read_text()[-2000:])
                 time.sleep(0.5)
-        yield {"base": base, "token": token, "root": root}
+        yield {"base": base, "token": token, "root": root, "tmp": tmp}
     finally:
         try:
             os.killpg(server.pid, signal.SIGTERM)  # the server and its kernels
@@ -206,8 +218,91 @@ def _code(name: str) -> str:
                      if c["cell_type"] == "code")
 
 
+def _cell_trees(name: str) -> list[tuple[int, ast.Module | None]]:
+    """(index among all cells, parsed code) of each code cell; magics left out."""
+    nb = json.loads((NOTEBOOKS / name).read_text())
+    out = []
+    for i, c in enumerate(nb["cells"]):
+        if c["cell_type"] != "code":
+            continue
+        lines = [ln for ln in "".join(c["source"]).splitlines()
+                 if not ln.lstrip().startswith(("%", "!"))]
+        try:
+            out.append((i, ast.parse("\n".join(lines))))
+        except SyntaxError:  # a cell magic's body (%%writefile): not Python here
+            out.append((i, None))
+    return out
+
+
+def _call_name(node: ast.Call) -> str:
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+
+def _helpers() -> tuple[dict[str, int], set[str]]:
+    """course_utils functions: how many sliders each makes; which draw a figure."""
+    bodies = {}
+    for path in sorted((ROOT / "course_utils").glob("*.py")):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                bodies[node.name] = (ast.get_source_segment(text, node), node)
+    sliders = {n: len(re.findall(r"\w*Slider\(", src))
+               for n, (src, _) in bodies.items()}
+    plotting = {n for n, (src, _) in bodies.items() if "plt.show()" in src}
+    grew = True
+    while grew:  # a helper that calls a plotting helper plots too
+        grew = False
+        for n, (_, node) in bodies.items():
+            calls = {_call_name(c) for c in ast.walk(node) if isinstance(c, ast.Call)}
+            if n not in plotting and calls & plotting:
+                plotting.add(n)
+                grew = True
+            more = sum(sliders[c] for c in calls if c in sliders and c != n)
+            if more > sliders[n] and "Slider(" not in bodies[n][0]:
+                sliders[n] = more
+                grew = True
+    return {n: k for n, k in sliders.items() if k}, plotting
+
+
+def _expected_sliders(name: str) -> int:
+    """Sliders the chapter's code makes, as far as its text tells."""
+    helper_sliders, _ = _helpers()
+    count = 0
+    for _, tree in _cell_trees(name):
+        for node in ast.walk(tree) if tree else []:
+            if not isinstance(node, ast.Call):
+                continue
+            called = _call_name(node)
+            if called.endswith("Slider"):
+                count += 1
+            elif called == "interact":  # (min, max[, step]) abbreviations
+                count += sum(isinstance(k.value, ast.Tuple) for k in node.keywords)
+            else:
+                count += helper_sliders.get(called, 0)
+    return count
+
+
+def _figure_cells(name: str) -> list[int]:
+    """Cells that draw a figure whatever the machine: ``plt.show()`` or a
+    plotting helper called outside any ``if`` and any function definition."""
+    _, plotting = _helpers()
+    cells = []
+    for i, tree in _cell_trees(name):
+        for stmt in tree.body if tree else []:
+            if isinstance(stmt, (ast.If, ast.FunctionDef, ast.ClassDef, ast.Try)):
+                continue  # conditional, or not run here
+            calls = [c for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+            if any(_call_name(c) in plotting or (_call_name(c) == "show" and
+                   isinstance(c.func, ast.Attribute)
+                   and getattr(c.func.value, "id", "") == "plt") for c in calls):
+                cells.append(i)
+                break
+    return cells
+
+
 def _has_sliders(name: str) -> bool:
-    return bool(re.search(r"\binteract\b|Slider\(", _code(name)))
+    return _expected_sliders(name) > 0
 
 
 def _has_plots(name: str) -> bool:
@@ -257,9 +352,14 @@ def test_chapter_runs_in_the_browser(browser, lab, name):
                          f" {raw[0]['text'][:200]}")
         if _has_plots(name):
             assert sum(c["images"] for c in code) > 0, f"{name}: no plot rendered"
+        missing = [i for i in _figure_cells(name) if not cells[i]["images"]]
+        assert not missing, f"{name}: cells that draw a figure show none: {missing}"
+        widths = page.eval_on_selector_all(".jp-OutputArea-output img",
+                                           "els => els.map(e => e.naturalWidth)")
+        assert all(w > 0 for w in widths), f"{name}: a figure did not render"
         SHOTS.mkdir(parents=True, exist_ok=True)
         if _has_sliders(name):
-            _every_slider_changes_its_output(page, name)
+            _every_slider_changes_its_output(page, name, _expected_sliders(name))
         page.screenshot(path=str(SHOTS / f"{name[:-6]}.png"), full_page=False)
     finally:
         page.close()
@@ -268,10 +368,11 @@ def test_chapter_runs_in_the_browser(browser, lab, name):
 SLIDERS = ".widget-slider .noUi-handle, .widget-hslider .noUi-handle"
 
 
-def _every_slider_changes_its_output(page, name: str) -> None:
+def _every_slider_changes_its_output(page, name: str, expected: int) -> None:
     """Move each slider; its output must change and show no error."""
     sliders = page.locator(SLIDERS)
-    assert sliders.count(), f"{name}: it has sliders, but none is shown"
+    assert sliders.count() >= expected, (
+        f"{name}: its code makes {expected} sliders, {sliders.count()} are shown")
     for i in range(sliders.count()):
         slider = sliders.nth(i)
         slider.scroll_into_view_if_needed()
@@ -357,5 +458,80 @@ def test_an_interrupted_launch_reads_as_one_line(browser, lab):
         error = cell["error"].strip()
         assert "interrupted: all 2 ranks stopped" in error, cell["text"][-1500:]
         assert "Traceback" not in error and len(error.splitlines()) <= 3, error
+    finally:
+        page.close()
+
+
+def _torchrun_probe(lab) -> str:
+    """Chapter 6 up to its torchrun cell, as a notebook of its own."""
+    chapter = next(c for c in CHAPTERS if c.startswith("06_"))
+    nb = json.loads((NOTEBOOKS / chapter).read_text())
+    last = next(i for i, c in enumerate(nb["cells"])
+                if "TORCHRUN = " in "".join(c["source"]))
+    nb["cells"] = nb["cells"][:last + 1]
+    (lab["root"] / "torchrun_probe.ipynb").write_text(json.dumps(nb))
+    return "torchrun_probe.ipynb"
+
+
+def _torchrun_processes(tmp: Path) -> list[psutil.Process]:
+    """torchrun's agent and workers (forked: same command line) of the probe."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if "torch.distributed.run" in line and str(tmp) in line:
+            found.append(p)
+    return found
+
+
+def _start_torchrun(page, lab, menu: tuple[str, str]) -> None:
+    """Run the probe until torchrun's agent and both workers are up."""
+    _menu(page, *menu)
+    deadline = time.monotonic() + CELL_TIMEOUT_S * 3
+    while len(_torchrun_processes(lab["tmp"])) < 3:
+        assert time.monotonic() < deadline, "torchrun's workers never started"
+        time.sleep(0.1)
+
+
+# caches with one fixed name per user, reused by every run: they do not pile up
+CACHES = ("torchinductor_",)
+
+
+def _nothing_left(lab, before: set[str], what: str) -> None:
+    deadline = time.monotonic() + 30  # a killed kernel's watchdog may lag
+    while True:
+        procs = _torchrun_processes(lab["tmp"])
+        left = sorted(n for n in set(os.listdir(lab["tmp"])) - before
+                      if not n.startswith(CACHES))
+        if not procs and not left:
+            return
+        assert time.monotonic() < deadline, (
+            f"{what}: left running {[p.pid for p in procs]}, left in the temp "
+            f"directory {left}")
+        time.sleep(0.5)
+
+
+def test_torchrun_interrupted_or_restarted_leaves_nothing(browser, lab):
+    """Chapter 6's torchrun cell: stopped mid-run twice, the way a learner would."""
+    before = set(os.listdir(lab["tmp"]))
+    page = _open(browser, lab, _torchrun_probe(lab))
+    try:
+        time.sleep(1)
+        _start_torchrun(page, lab, ("Run", "Run All Cells"))
+        _menu(page, "Kernel", "Interrupt Kernel")
+        _wait_idle(page, 60)
+        cell = [c for c in _cells(page) if c["code"]][-1]
+        error = cell["error"].strip()
+        assert "interrupted: the command" in error and "nothing left running" in \
+            error, cell["text"][-1500:]
+        assert "Traceback" not in error and len(error.splitlines()) == 1, error
+        assert not _torchrun_processes(lab["tmp"]), "the interrupt left torchrun"
+        # again, and now restart the kernel in the middle of the run
+        _start_torchrun(page, lab, ("Run", "Run All Cells"))
+        _menu(page, "Kernel", "Restart Kernel…")
+        page.click(".jp-Dialog .jp-mod-accept")
+        _wait_idle(page, 60)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "torchrun_probe.png"))
+        _nothing_left(lab, before, "a restart during torchrun")
     finally:
         page.close()
