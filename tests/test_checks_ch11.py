@@ -138,8 +138,27 @@ def via_index_select(q, k, v, block, causal=False):  # blocks copied out, not vi
     return out
 
 
+def transposed_keys(q, k, v, block, causal=False):  # k transposed once, up front
+    k_t = k.transpose(-2, -1).contiguous()
+    out = torch.zeros_like(q)
+    lse = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    pos = torch.arange(q.shape[2])[:, None]
+    for a in range(0, k.shape[2], block):
+        b = min(a + block, k.shape[2])
+        scores = q @ k_t[..., a:b] / math.sqrt(q.shape[-1])
+        if causal:
+            scores = scores.masked_fill(pos < torch.arange(a, b), -math.inf)
+        l2 = torch.logsumexp(scores, -1, keepdim=True)
+        o = (torch.exp(scores - l2) @ v[:, :, a:b]).nan_to_num(0.0)
+        new = torch.logaddexp(lse, l2)
+        out = out * (lse - new).exp() + o * (l2 - new).exp()
+        lse = new
+    return out
+
+
 @pytest.mark.parametrize("fn", [online_softmax, lse_with_where, reverse_blocks,
-                                TiledAttention(), via_split, via_index_select])
+                                TiledAttention(), via_split, via_index_select,
+                                transposed_keys])
 def test_right_blockwise_pass(fn):
     ch11.check_blockwise_attention(fn)
 
@@ -238,6 +257,14 @@ def test_wrong_blockwise_fail():
             cache["out"] = via_split(q, k, v, block, causal)
         return cache["out"]
 
+    by_shape = {}
+
+    def cached_by_shape(q, k, v, block, causal=False):
+        key = (q.shape, q.dtype, block, causal)
+        if key not in by_shape:
+            by_shape[key] = via_split(q, k, v, block, causal)
+        return by_shape[key]
+
     def query_blocks_all_keys(q, k, v, block, causal=False):
         rows = []
         for i in range(0, q.shape[2], block):
@@ -261,6 +288,7 @@ def test_wrong_blockwise_fail():
 
     fails(check, library, "37 keys at once", "never (S x S)")
     fails(check, query_blocks_all_keys, "37 keys at once")
+    fails(check, cached_by_shape, "equal to scaled_dot_product_attention")
     fails(check, double_blocks, "at most 8 keys at once", "(S x 2 block)")
     fails(check, one_more_key, "at most 8 keys at once")
     fails(check, float32_result, "dtype", "bfloat16")

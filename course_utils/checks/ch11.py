@@ -103,8 +103,10 @@ class _Watch(TorchDispatchMode):
             if _storage(t) not in self.keys or any(
                     _storage(o) == _storage(t) for o in outs):
                 continue  # not k or v, or a view of it
-            if len(long) == 1 and all(o.shape == t.shape for o in outs):
-                self.keys |= {_storage(o) for o in outs}  # a copy or cast: follow it
+            if len(long) == 1 and all(sorted(o.shape) == sorted(t.shape)
+                                      for o in outs):
+                # a copy, a cast or a transposed copy of k or v: follow it
+                self.keys |= {_storage(o) for o in outs}
             elif any(max(o.shape, default=0) >= self.limit for o in outs):
                 self.big = (name, f"{max(t.shape)} keys at once, shape "
                                   f"{tuple(t.shape)}")
@@ -126,6 +128,7 @@ ATTENTION_CASES = [
     (1, 2, 41, 8, 12, True, torch.float32, 8.0),  # scores of hundreds: exp overflows
     (1, 2, 33, 8, 9, True, torch.bfloat16, 1.0),
     (1, 1, 20, 8, 64, True, torch.float64, 1.0),  # one block holds every key
+    (1, 2, 37, 8, 8, False, torch.float64, 1.0),  # the first case's shape, new data
 ]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 4e-2}
 
