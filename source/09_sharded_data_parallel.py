@@ -19,8 +19,9 @@
 # - Where a training step's memory goes, in bytes per parameter, and why
 #   DistributedDataParallel (Chapter 6) keeps all of it on every rank.
 # - ZeRO stages 1, 2 and 3 built by hand from two collectives,
-#   reduce-scatter and all-gather: equal to DDP to the last bit, with each
-#   rank holding `1/N` of what is sharded, measured by a deterministic counter.
+#   reduce-scatter and all-gather: equal to DDP (to the last bit over gloo),
+#   each rank holding `1/N` of what is sharded, measured by a deterministic
+#   counter.
 # - PyTorch's FSDP2 (`fully_shard`) as it is practised: DTensor parameters,
 #   resharding, prefetching, mixed precision, CPU offload, hybrid sharding,
 #   meta-device initialisation, clipping, accumulation, checkpointing order.
@@ -402,7 +403,8 @@ print(ranks[0].value["unpadded"][:160])
 # ## 3. Memory per rank, measured
 #
 # Now the point of it all: bytes. `MemTracker` (in
-# `torch.distributed._tools.mem_tracker`) is a dispatch mode that sees every
+# `torch.distributed._tools.mem_tracker`, a private module: its interface
+# may change between releases) is a dispatch mode that sees every
 # tensor created while it runs and files each storage under a category -
 # parameters, gradients, optimizer state, activations (made in forward),
 # temporaries (made in backward). `memory.track_step` runs one step under it
@@ -894,9 +896,11 @@ print("peak per rank, reshard_after_forward True, 2, False: " + ", ".join(
 # Two notes. Here `reset_parameters` draws each shard from its rank's own
 # random stream; torchtitan initialises with a seed per model so that every
 # layout gives the same weights (DTensor's random ops do that on CUDA).
-# And FSDP2 can all-gather **float8** weights (torchao's `Float8Linear` with
-# `enable_fsdp_float8_all_gather=True`; see torchtitan's `docs/float8.md`),
-# a quarter of fp32's bytes, on GPUs with float8 matmuls (H100 and newer).
+# And FSDP2 can all-gather **float8** weights: torchao's
+# `convert_to_float8_training` swaps each `nn.Linear` for a `Float8Linear`,
+# and `Float8LinearConfig(enable_fsdp_float8_all_gather=True)` casts the
+# weight before the all-gather - a quarter of fp32's bytes, on GPUs with
+# float8 matmuls (H100 and newer); torchtitan's `docs/float8.md` shows it.
 
 # %% [markdown]
 # ## 5. Distributed checkpoints
@@ -999,8 +1003,8 @@ print(f"Adam resumed: step {loaded['step']:g}, moments of local shape "
 # the private module `torch.testing._internal.distributed.fake_pg`) and
 # **fake tensors** (`FakeTensorMode`: shapes and dtypes without data) let
 # the real `fully_shard` code run real training steps of a
-# Llama-2-7B-shaped model (`memory.Llama`), and `FSDPMemTracker` (private
-# too, `torch.distributed._tools`) counts what one rank holds. We measure
+# Llama-2-7B-shaped model (`memory.Llama`), and `FSDPMemTracker` (section
+# 4) counts what one rank holds. We measure
 # the **second** step: the first creates Adam's state inside `opt.step()`,
 # so its peak misses the optimizer state entirely.
 
@@ -1037,7 +1041,7 @@ def fake_fsdp2_peak(world_size, layers, tokens=2048):
 
 
 # %% [markdown]
-# 32 layers take about 20 s per world size, too slow for this notebook:
+# 32 layers take tens of seconds per world size, too slow for this notebook:
 # `python -m course_utils.memory` ran the same code for 1 to 64 ranks into
 # the table `memory.LLAMA2_7B_FSDP2`. Two layers run here, live, in a few
 # seconds, and must give what that module stored, byte for byte:
@@ -1073,7 +1077,7 @@ for n in sorted(table):
 print(f"[{pred.label}]\n[capacity: {h100.label}]")
 
 # %% [markdown]
-# Two regimes. On 1 GPU the peak is the optimizer step: 16 bytes per
+# Two regimes. On 1 GPU the peak is the optimizer step: about 16 bytes per
 # parameter, over 100 GB. From 2 GPUs on it moves into backward, where the
 # activations of all 32 layers - about 22 GB for 2048 tokens in fp32, the
 # same on every rank whatever `N` - sit beside the model states, which
@@ -1178,8 +1182,9 @@ figures = reference.show(name, unit="B", fmt="{:.4g}", figures=[reference.predic
 #   for each shard, this rank's slice of the gradient **averaged over the
 #   ranks** (as DDP averages), with a reduce-scatter.
 #
-# The checker runs it on 2 and on 3 ranks with odd sizes, against one
-# process, and counts the bytes your forward keeps.
+# The checker runs it on 2 and on 3 ranks with odd sizes, in float32,
+# float64 and bfloat16, against one process, and names whatever your
+# forward keeps besides `x` and the shards.
 
 # %% tags=["exercise"] exercise="9.1"
 class ShardedLinear(torch.autograd.Function):
