@@ -469,8 +469,8 @@ for method, result in results[0].value.items():
 # %% [markdown]
 # On CPU ranks both fail at once: the library's DTensor rules cover the
 # CUDA attention kernels (flash, memory-efficient, cuDNN) and not the CPU
-# one. With a GPU per rank both equal one GPU. Hence the hand-built
-# versions here, which run everywhere.
+# one. With a GPU per rank the same cell prints each rotation's difference
+# from one GPU. Hence the hand-built versions here, which run everywhere.
 #
 # ## 4. Ulysses: shard the heads instead
 #
