@@ -342,6 +342,14 @@ def test_wrong_hidden_fraction_fail(real_trace):
         fails(ch12.check_hidden_fraction, fn, real_trace, words=(word,))
 
 
+def test_hidden_fraction_that_never_returns_gets_a_verdict():
+    def spins(events, comm="gloo:all_reduce", compute="backward"):
+        while True:
+            pass
+
+    fails(ch12.check_hidden_fraction, spins, words=("did not return",))
+
+
 def test_hidden_fraction_placeholder():
     def stub(events, comm="gloo:all_reduce", compute="backward"):
         raise NotImplementedError("Exercise 12.1")
@@ -830,6 +838,16 @@ def test_wrong_resume_fail():
     ]
     for save, load, word in cases:
         fails(ch12.check_resume, save, load, words=(word,))
+
+
+def test_resume_that_deadlocks_gets_a_verdict():
+    def save_barrier_on_rank0(ckpt_dir, step, model, optimizer, scheduler):
+        save_solution(ckpt_dir, step, model, optimizer, scheduler)
+        if dist.get_rank() == 0:
+            dist.barrier()  # rank 1 never joins
+
+    fails(ch12.check_resume, save_barrier_on_rank0, load_solution,
+          words=("within", "only some ranks"))
 
 
 def test_resume_placeholder():

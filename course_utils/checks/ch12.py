@@ -1,13 +1,16 @@
 """Checkers for Chapter 12 (profiling and fault tolerance).
 
 12.1 runs the learner's overlap measure on hand-made traces whose answers are
-known (two all-reduce threads at once, nested spans, several ranks, decoy
-names and event kinds) and on the chapter's real merged trace. 12.2 runs the
-learner's matcher on generated flight-recorder dumps - 2 to 4 ranks, skipped,
-swapped, resized and extra collectives, ring buffers that wrapped at
-different places, point-to-point entries on some ranks - and on the chapter's
-real dumps. 12.3 runs the learner's checkpoint functions twice: first in two
-ranks that "crash" twice in the same processes (every restored state is
+known (two all-reduce threads at once, nested spans, B/E pairs on two
+threads, 2 to 4 ranks, decoy names and event kinds) and on the chapter's real
+merged trace. 12.2 runs the learner's matcher on generated flight-recorder
+dumps - 2 to 4 ranks, skipped, swapped, resized, reshaped and extra
+collectives on any rank, ring buffers that wrapped at different places,
+point-to-point entries on some ranks - and on the chapter's real dumps. Both
+give the learner's function 20 s in all, and a hint chosen from the typical
+mistake that reproduces what the answer returned. 12.3 runs the learner's
+checkpoint functions twice: first in two ranks that "crash" three times in
+the same processes, once in the middle of a save (every restored state is
 compared with what was saved), then under torchrun's agent with a rank that
 really dies at a random step, and compares the final weights with an
 uninterrupted run.
