@@ -636,9 +636,15 @@ def test_wrong_scores_fail():
     fails(check, contiguous_always, "read the layout")
     fails(check, by_rank_number, "compare chunk numbers")
     fails(check, a_total, "a list of")
-    fails(check, blocks_not_scores, "not the unit")
+    fails(check, blocks_not_scores, "not the scale")
     fails(check, reversed_ranks, "scores per rank")
     fails(check, zigzag_formula, "scores per rank")
+    def two_chunks_each(seq_len, layout):  # c from 2 chunks per rank, always
+        c = seq_len // (2 * len(layout))
+        every = [x for chunks in layout for x in chunks]
+        return [sum(c * c for q in mine for kc in every if kc <= q) for mine in layout]
+
+    fails(check, two_chunks_each, "chunks in the layout")
     fails(check, sorts_layout, "layout left unchanged")
     fails(check, per_chunk, "one number per rank")
 

@@ -547,9 +547,9 @@ def check_predict_scores(predict_scores) -> None:
             else:
                 if all(g > 0 for g in got) and len(
                         {round(w / g, 6) for g, w in zip(got, want, strict=True)}) == 1:
-                    hint = ("the proportions are right but not the unit: count "
-                            "query-key scores, c * c for a block of c queries and c "
-                            "keys")
+                    hint = ("the proportions are right but not the scale: a chunk "
+                            "holds c = seq_len / (chunks in the layout) tokens, and "
+                            "a block of c queries and c keys is c * c scores")
             fail(ex, f"scores per rank {want} as measured ({case})",
                  f"{[int(g) if g.is_integer() else g for g in got]}", hint)
     passed(ex, "your prediction matches the real ring on 2 and 3 ranks, on "
