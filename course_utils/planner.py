@@ -652,7 +652,7 @@ def layouts(model: Decoder, n_gpus: int, global_batch: int, gpus_per_node: int =
             continue
         rest = n_gpus // tp
         for cp in divisors(rest):
-            if cp > 1 and (not seq or (seq // 2) % cp or cp > 32):
+            if cp > 1 and (not seq or (seq // 2) % cp):
                 continue
             for pp in divisors(rest // cp):
                 dp = rest // (cp * pp)
@@ -1064,3 +1064,112 @@ def memory_shortfall() -> float:
         mem = memory_per_gpu(run.model, run.layout, run.seq, run.global_batch)
         ratios.append(mem["total"] / 2**30 / run.measured(quantity))
     return min(ratios)
+
+
+# --- display (Chapter 13's widget and comparison) ------------------------------------
+
+MEMORY_COLORS = {"parameters": "tab:blue", "gradients": "tab:orange",
+                 "optimizer state": "tab:green", "gathered layers": "tab:purple",
+                 "accumulated gradients": "tab:brown",
+                 "communication buffers": "tab:pink", "activations": "tab:red",
+                 "logits and loss": "tab:olive"}
+
+
+def draw_plan(rows: list[Row], gpu: str, title: str = "") -> None:
+    """Memory per GPU by category for ``rows`` and the best one's mesh."""
+    import matplotlib.pyplot as plt
+
+    rows = rows[:6]
+    fig, (ax, mesh) = plt.subplots(1, 2, figsize=(10, 4.2),
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    for i, row in enumerate(rows):
+        left = 0.0
+        for name, color in MEMORY_COLORS.items():
+            v = row.memory.get(name, 0.0) / 2**30
+            ax.barh(i, v, left=left, color=color, label=name if i == 0 else None)
+            left += v
+    cap = _capacity(gpu) / 2**30
+    ax.axvline(cap, color="k", lw=1)
+    ax.text(cap, -0.6, f"{cap:.0f} GiB", fontsize=7, ha="right", va="bottom")
+    ax.set_xlim(0, cap * 1.15)
+    ax.set_yticks(range(len(rows)), [_short(r.layout) for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted memory per GPU (GiB)")
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4)
+    ax.set_title(title or "memory per GPU, fastest first", fontsize=9)
+    if rows:
+        _draw_mesh(mesh, rows[0].layout)
+    else:
+        mesh.axis("off")
+    fig.tight_layout()
+    plt.show()
+
+
+def _short(lay: Layout) -> str:
+    parts = [f"dp{lay.dp}"] + [f"{k}{v}" for k, v in (("cp", lay.cp), ("tp", lay.tp),
+                                                      ("pp", lay.pp), ("ep", lay.ep))
+                               if v > 1]
+    extra = {"none": "", "attention": "", "selective": " sel", "full": " full"}
+    sched = {"1f1b": "", "gpipe": " gpipe", "interleaved": f" v{lay.virtual}",
+             "zero-bubble": " zb"}[lay.schedule] if lay.pp > 1 else ""
+    return " ".join(parts) + sched + extra[lay.recompute]
+
+
+def _draw_mesh(ax, lay: Layout, gpus_per_node: int = 8) -> None:
+    """One pipeline replica's GPUs: a row per stage, tp x cp across, in nodes."""
+    import matplotlib.patches as patches
+
+    width = lay.tp * lay.cp
+    rows = min(lay.pp, 8)
+    for s in range(rows):
+        for j in range(width):
+            gpu = s * width + j
+            node = gpu // gpus_per_node
+            ax.add_patch(patches.Rectangle((j, -s), 0.9, 0.9,
+                                           color=f"C{node % 10}", alpha=0.6))
+            if width <= 16:
+                ax.text(j + 0.45, -s + 0.45, f"t{j % lay.tp}" + (
+                    f"c{j // lay.tp}" if lay.cp > 1 else ""), fontsize=6,
+                    ha="center", va="center")
+    ax.set_xlim(-0.2, max(width, 1) + 0.2)
+    ax.set_ylim(-rows + 0.8, 1.1)
+    ax.set_yticks([-s + 0.45 for s in range(rows)],
+                  [f"stage {s}" for s in range(rows)], fontsize=6)
+    ax.set_xticks([])
+    more = f", {lay.pp - rows} more stages" if lay.pp > rows else ""
+    ax.set_title(f"the best layout, one of {lay.dp} replicas\n(colour: node{more})",
+                 fontsize=8)
+
+
+def draw_runs() -> None:
+    """Predicted / published throughput of every run pair, by source (Chapter 13)."""
+    import matplotlib.pyplot as plt
+
+    pairs = [p for p in run_pairs() if p.unit != "GiB"]
+    sources = {"narayanan2021": "Narayanan et al. 2021 (A100)",
+               "korthikanti2022": "Korthikanti et al. 2022 (A100)",
+               "megatron_h100": "Megatron-LM H100 table",
+               "llama3_405b": "Llama 3 405B (H100)"}
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.axhspan(predict.BAND[0], predict.BAND[1], color="0.92", label="the band")
+    ax.axhline(1, color="0.5", lw=0.8)
+    x = 0
+    for i, (prefix, name) in enumerate(sources.items()):
+        mine = [p for p in pairs if p.measured.startswith(f"runs.{prefix}")]
+        for p in mine:
+            fit = p.setup.startswith("[fit]")
+            ax.plot(x, p.ratio, "o" if fit else "s", color=f"C{i}",
+                    mfc="none" if fit else None, ms=6)
+            x += 1
+        ax.plot([], [], "s", color=f"C{i}", label=name)
+        x += 1
+    ax.plot([], [], "o", color="k", mfc="none", label="fitted on")
+    ax.plot([], [], "s", color="k", label="held back")
+    ax.set_xticks([])
+    ax.set_ylim(0.6, 1.4)
+    ax.set_ylabel("predicted / published")
+    ax.set_title("The step model against published training runs (throughput)",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.05), ncol=3)
+    fig.tight_layout()
+    plt.show()

@@ -7,7 +7,6 @@ answers are ones that run to the end on every rank (a wrong answer that
 raises on one pipeline stage only would leave the other waiting)."""
 
 import itertools
-import math
 
 import numpy as np
 import pytest
@@ -247,215 +246,7 @@ def test_stage_wrong_answers_fail(stage_results, fn):
     assert WRONG_STAGE[fn] in msg, msg
 
 
-# ------------------------------------------------------------------ 13.2
-
-
-def _capacity(gpu):
-    return 0.9 * reference.published(f"{gpu}.memory_gb").value * 1e9
-
-
-def _ok(model, lay, gpu, seq, batch, target):
-    if planner.memory_per_gpu(model, lay, seq, batch)["total"] > _capacity(gpu):
-        return None
-    t = planner.step_seconds(model, lay, gpu, seq, batch).value
-    return t if batch * seq / t >= target else None
-
-
-def variants(lay, sharded=(True, False), recompute=(False, True)):
-    return [planner.Layout(lay.dp, lay.tp, lay.pp, 1, sh, rc)
-            for sh in sharded for rc in recompute]
-
-
-def right_product(model, gpu, n, seq, batch, target):
-    found = []
-    for tp, pp, sh, rc in itertools.product(range(1, 9), range(1, n + 1),
-                                            (False, True), (False, True)):
-        if n % (tp * pp) or model.heads % tp or model.layers % pp:
-            continue
-        dp = n // (tp * pp)
-        if batch % dp:
-            continue
-        lay = planner.Layout(dp=dp, tp=tp, pp=pp, sharded=sh, recompute=rc)
-        t = _ok(model, lay, gpu, seq, batch, target)
-        if t is not None:
-            found.append((t, lay))
-    return min(found, key=lambda x: x[0])[1] if found else None
-
-
-def right_sorted(model, gpu, n, seq, batch, target):
-    cands = [planner.Layout(n // (t * p), t, p, 1, sh, r)
-             for t in planner.divisors(n) for p in planner.divisors(n // t)
-             for r in (True, False) for sh in (False, True)
-             if t <= 8 and model.heads % t == 0 and model.layers % p == 0
-             and batch % (n // (t * p)) == 0]
-    timed = sorted((t, i) for i, lay in enumerate(cands)
-                   if (t := _ok(model, lay, gpu, seq, batch, target)) is not None)
-    return cands[timed[0][1]] if timed else None
-
-
-class RightSearch:
-    def __call__(self, model, gpu, n_gpus, seq, global_batch, min_tokens_per_s):
-        best = None
-        for sharded in (True, False):
-            for lay in planner.layouts(model, n_gpus, global_batch, sharded=sharded):
-                for cand in (lay, planner.Layout(lay.dp, lay.tp, lay.pp, 1, sharded,
-                                                 True)):
-                    t = _ok(model, cand, gpu, seq, global_batch, min_tokens_per_s)
-                    if t is not None and (best is None or t < best[0]):
-                        best = (t, cand)
-        return best and best[1]
-
-
-right_search = RightSearch()
-
-
-def right_numpy(model, gpu, n, seq, batch, target):
-    lays = [planner.Layout(d, t, p, sharded=s, recompute=r) for d in range(1, n + 1)
-            for t in (1, 2, 4, 8) for p in range(1, model.layers + 1)
-            for s in (True, False) for r in (False, True)
-            if d * t * p == n and model.layers % p == 0
-            and batch % d == 0 and model.heads % t == 0]
-    times = np.array([_ok(model, lay, gpu, seq, batch, target) or np.inf
-                      for lay in lays] or [np.inf])
-    return lays[int(times.argmin())] if np.isfinite(times.min()) else None
-
-
-def right_fit_first(model, gpu, n, seq, batch, target):
-    # fit the model first (recompute only where needed), then pick the fastest
-    best, best_t = None, math.inf
-    for lay in planner.layouts(model, n, batch):
-        for cand in variants(lay, recompute=(False,)):
-            if planner.memory_per_gpu(model, cand, seq, batch)["total"] > (
-                    _capacity(gpu)):
-                cand = planner.Layout(cand.dp, cand.tp, cand.pp, 1, cand.sharded, True)
-            t = _ok(model, cand, gpu, seq, batch, target)
-            if t is not None and t < best_t:
-                best, best_t = cand, t
-    return best
-
-
-def _fastest(cands, model, gpu, seq, batch, target):
-    best = None
-    for cand in cands:
-        t = _ok(model, cand, gpu, seq, batch, target)
-        if t is not None and (best is None or t < best[0]):
-            best = (t, cand)
-    return best and best[1]
-
-
-def wrong_no_memory(model, gpu, n, seq, batch, target):
-    rows = [(planner.step_seconds(model, c, gpu, seq, batch).value, c)
-            for lay in planner.layouts(model, n, batch) for c in variants(lay)]
-    return min(rows, key=lambda r: r[0])[1] if rows else None
-
-
-def wrong_gb_units(model, gpu, n, seq, batch, target):
-    cap = 0.9 * reference.published(f"{gpu}.memory_gb").value  # GB, not bytes
-    for lay in planner.layouts(model, n, batch):
-        for c in variants(lay):
-            if planner.memory_per_gpu(model, c, seq, batch)["total"] <= cap:
-                return c
-    return None
-
-
-def wrong_first_fit(model, gpu, n, seq, batch, target):
-    for lay in planner.layouts(model, n, batch):
-        for cand in variants(lay):
-            if _ok(model, cand, gpu, seq, batch, target) is not None:
-                return cand
-    return None
-
-
-def wrong_fixed_gpus(model, gpu, n, seq, batch, target):
-    return right_product(model, gpu, 64, seq, batch, target)
-
-
-def wrong_no_target(model, gpu, n, seq, batch, target):
-    return right_product(model, gpu, n, seq, batch, 0.0)
-
-
-def wrong_never_recompute(model, gpu, n, seq, batch, target):
-    return _fastest([c for lay in planner.layouts(model, n, batch)
-                     for c in variants(lay, recompute=(False,))],
-                    model, gpu, seq, batch, target)
-
-
-def wrong_always_recompute(model, gpu, n, seq, batch, target):
-    return _fastest([c for lay in planner.layouts(model, n, batch)
-                     for c in variants(lay, recompute=(True,))],
-                    model, gpu, seq, batch, target)
-
-
-def wrong_only_fsdp(model, gpu, n, seq, batch, target):  # the planner's search
-    rows = [r for r in planner.plan(model, gpu, n, seq, batch)
-            if r.fits and r.tokens_per_s >= target]
-    return rows[0].layout if rows else None
-
-
-def wrong_least_memory(model, gpu, n, seq, batch, target):  # most room, not speed
-    best = None
-    for lay in planner.layouts(model, n, batch):
-        for cand in variants(lay):
-            if _ok(model, cand, gpu, seq, batch, target) is None:
-                continue
-            mem = planner.memory_per_gpu(model, cand, seq, batch)["total"]
-            if best is None or mem < best[0]:
-                best = (mem, cand)
-    return best and best[1]
-
-
-def wrong_tuple(model, gpu, n, seq, batch, target):
-    lay = right_product(model, gpu, n, seq, batch, target)
-    return lay and (lay.dp, lay.tp, lay.pp)
-
-
-_MEMO = {}
-
-
-def wrong_memo_by_model(model, gpu, n, seq, batch, target):
-    if model.name not in _MEMO:
-        _MEMO[model.name] = right_product(model, gpu, n, seq, batch, target)
-    return _MEMO[model.name]
-
-
-def wrong_no_pipeline(model, gpu, n, seq, batch, target):
-    return _fastest([c for lay in planner.layouts(model, n, batch) if lay.pp == 1
-                     for c in variants(lay)], model, gpu, seq, batch, target)
-
-
-RIGHT_LAYOUT = [right_product, right_sorted, right_search, right_numpy, right_fit_first]
-WRONG_LAYOUT = {
-    wrong_no_memory: "fits", wrong_gb_units: "None", wrong_first_fit: "fastest",
-    wrong_fixed_gpus: "dp x tp x pp", wrong_no_target: "None",
-    wrong_never_recompute: "recompute", wrong_always_recompute: "recompute only",
-    wrong_least_memory: "fastest", wrong_tuple: "Layout", wrong_only_fsdp: "DDP",
-    wrong_memo_by_model: "", wrong_no_pipeline: "fastest",
-}
-
-
-def _judge_all_layouts(fn):
-    for case in ch13.LAYOUT_CASES:
-        for _ in range(2):
-            ch13.judge_layout(case, fn(*case))
-
-
-@pytest.mark.parametrize("fn", RIGHT_LAYOUT,
-                         ids=lambda f: getattr(f, "__name__", "cls"))
-def test_layout_right_answers_pass(fn):
-    _judge_all_layouts(fn)
-
-
-@pytest.mark.parametrize("fn", list(WRONG_LAYOUT), ids=lambda f: f.__name__)
-def test_layout_wrong_answers_fail(fn):
-    _MEMO.clear()
-    msg = rejected(_judge_all_layouts, fn)
-    assert WRONG_LAYOUT[fn] in msg, msg
-
-
-def test_layout_checker_passes_the_solution_and_fails_the_stub():
-    ch13.check_choose_layout(right_product)
-    with pytest.raises(ExerciseFailed):
-        ch13.check_choose_layout(wrong_first_fit)
+# 13.2: at the end of this file.
 
 
 # ------------------------------------------------------------------ 13.3
@@ -830,328 +621,6 @@ def test_reduction_new_wrong_answers_fail(fn, monkeypatch):
     assert NEW_WRONG_REDUCTION[fn] in msg, msg
 
 
-# 13.2: more answers, written without reading the ones above.
-
-
-def _search(
-    model,
-    gpu,
-    n,
-    seq,
-    batch,
-    target,
-    cap=lambda g: 0.9e9 * reference.published(f"{g}.memory_gb").value,
-    tps=lambda b, s, t, n: b * s / t,
-    tps_=None,
-    tpmax=8,
-    ok=lambda m, lay, n, b: True,
-    step_batch=None,
-    mem_args=None,
-    key=None,
-    flags=((True, False), (False, True)),
-    pick=min,
-):
-    c = cap(gpu)
-    cands = []
-    for tp in range(1, tpmax + 1):
-        if n % tp or model.heads % tp:
-            continue
-        for pp in range(1, n // tp + 1):
-            if (n // tp) % pp or model.layers % pp:
-                continue
-            dp = n // (tp * pp)
-            if batch % dp or not ok(model, (dp, tp, pp), n, batch):
-                continue
-            for sh, rc in itertools.product(*flags):
-                lay = planner.Layout(dp, tp, pp, sharded=sh, recompute=rc)
-                m = planner.memory_per_gpu(
-                    model,
-                    lay,
-                    *(mem_args(seq, batch, dp) if mem_args else (seq, batch)),
-                )["total"]
-                if m > c:
-                    continue
-                t = planner.step_seconds(
-                    model, lay, gpu, seq, step_batch(batch, dp) if step_batch else batch
-                ).value
-                if tps(batch, seq, t, n) < target:
-                    continue
-                cands.append((key(t, m, lay) if key else t, lay))
-    return pick(cands, key=lambda x: x[0])[1] if cands else None
-
-
-def wrong_gib_units(model, gpu, n, seq, batch, target):
-    return _search(
-        model,
-        gpu,
-        n,
-        seq,
-        batch,
-        target,
-        cap=lambda g: 0.9 * 2**30 * reference.published(f"{g}.memory_gb").value,
-    )
-
-
-def wrong_all_memory(model, gpu, n, seq, batch, target):
-    return _search(
-        model,
-        gpu,
-        n,
-        seq,
-        batch,
-        target,
-        cap=lambda g: 1e9 * reference.published(f"{g}.memory_gb").value,
-    )
-
-
-def wrong_tokens_per_gpu(model, gpu, n, seq, batch, target):
-    return _search(
-        model, gpu, n, seq, batch, target, tps=lambda b, s, t, n: b * s / t / n
-    )
-
-
-def wrong_tp_across_nodes(model, gpu, n, seq, batch, target):
-    return _search(model, gpu, n, seq, batch, target, tpmax=n)
-
-
-def wrong_powers_of_two(model, gpu, n, seq, batch, target):
-    return _search(
-        model,
-        gpu,
-        n,
-        seq,
-        batch,
-        target,
-        ok=lambda m, lay, n, b: all(x & (x - 1) == 0 for x in lay),
-    )
-
-
-def wrong_replica_batch(model, gpu, n, seq, batch, target):
-    return _search(
-        model,
-        gpu,
-        n,
-        seq,
-        batch,
-        target,
-        step_batch=lambda b, dp: b // dp,
-        mem_args=lambda s, b, dp: (s, b // dp),
-    )
-
-
-def wrong_swapped_arguments(model, gpu, n, seq, batch, target):
-    return _search(model, gpu, n, seq, batch, target, mem_args=lambda s, b, dp: (b, s))
-
-
-def wrong_h100_memory(model, gpu, n, seq, batch, target):
-    return _search(model, gpu, n, seq, batch, target, cap=lambda g: 0.9 * 80e9)
-
-
-def wrong_least_memory_kept(model, gpu, n, seq, batch, target):  # least memory
-    return _search(model, gpu, n, seq, batch, target, key=lambda t, m, lay: m)
-
-
-def wrong_slowest(model, gpu, n, seq, batch, target):
-    return _search(model, gpu, n, seq, batch, target, pick=max)
-
-
-def wrong_ddp_only(model, gpu, n, seq, batch, target):
-    return _search(model, gpu, n, seq, batch, target, flags=((False,), (False, True)))
-
-
-def wrong_recompute_first(model, gpu, n, seq, batch, target):
-    return _search(
-        model,
-        gpu,
-        n,
-        seq,
-        batch,
-        target,
-        flags=((True, False), (True, False)),
-        key=lambda t, m, lay: (not lay.recompute, t),
-    )
-
-
-_BY_CLUSTER = {}
-
-
-def wrong_memo_by_cluster(model, gpu, n, seq, batch, target):
-    k = (gpu, n)
-    if k not in _BY_CLUSTER:
-        _BY_CLUSTER[k] = _search(model, gpu, n, seq, batch, target)
-    return _BY_CLUSTER[k]
-
-
-def wrong_dict(model, gpu, n, seq, batch, target):
-    lay = _search(model, gpu, n, seq, batch, target)
-    return None if lay is None else {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
-
-
-def wrong_endless_loop(model, gpu, n, seq, batch, target):
-    tp = 1
-    while tp <= n:
-        if n % tp:
-            continue
-        tp *= 2
-    return _search(model, gpu, n, seq, batch, target)
-
-
-def wrong_reads_expected(model, gpu, n, seq, batch, target):
-    from course_utils.checks.ch13 import expected_layout
-
-    b = expected_layout((model, gpu, n, seq, batch, target))
-    return b and b[1]
-
-
-def wrong_dp_not_dividing(model, gpu, n, seq, batch, target):
-    c = 0.9e9 * reference.published(f"{gpu}.memory_gb").value
-    best = None
-    for tp in (1, 2, 4, 8):
-        for pp in planner.divisors(n // tp if n % tp == 0 else 1):
-            if n % tp or model.layers % pp or model.heads % tp:
-                continue
-            dp = n // (tp * pp)
-            for sh in (True, False):
-                for rc in (False, True):
-                    lay = planner.Layout(dp, tp, pp, sharded=sh, recompute=rc)
-                    if planner.memory_per_gpu(model, lay, seq, batch)["total"] > c:
-                        continue
-                    t = planner.step_seconds(model, lay, gpu, seq, batch).value
-                    if batch * seq / t >= target and (best is None or t < best[0]):
-                        best = (t, lay)
-    return best and best[1]
-
-
-def wrong_micro_batch(model, gpu, n, seq, batch, target):
-    lay = _search(model, gpu, n, seq, batch, target)
-    return lay and planner.Layout(
-        lay.dp,
-        lay.tp,
-        lay.pp,
-        micro_batch=2,
-        sharded=lay.sharded,
-        recompute=lay.recompute,
-    )
-
-
-def wrong_tokens_per_step(
-    model, gpu, n, seq, batch, target
-):  # tokens per step not per second
-    return _search(model, gpu, n, seq, batch, target, tps=lambda b, s, t, n: b * s)
-
-
-class RightMemo:
-    def __init__(self):
-        self.cache = {}
-
-    def __call__(self, *a):
-        key = tuple(map(str, a))
-        if key not in self.cache:
-            self.cache[key] = _search(*a)
-        return self.cache[key]
-
-
-def right_planner_layouts(model, gpu, n, seq, batch, target):
-    cap = reference.published(f"{gpu}.memory_gb").value * 0.9e9
-    ok = []
-    for base in planner.layouts(model, n, batch):
-        for sh in (False, True):
-            for rc in (True, False):
-                lay = planner.Layout(
-                    base.dp, base.tp, base.pp, sharded=sh, recompute=rc
-                )
-                if planner.memory_per_gpu(model, lay, seq, batch)["total"] <= cap:
-                    t = planner.step_seconds(model, lay, gpu, seq, batch).value
-                    if seq * batch >= target * t:
-                        ok.append((t, lay))
-    ok.sort(key=lambda x: x[0])
-    return ok[0][1] if ok else None
-
-
-def right_sorted_generator(model, gpu, n, seq, batch, target):
-    def gen():
-        for tp in planner.divisors(min(n, 8)):
-            for pp in planner.divisors(n // tp) if n % tp == 0 else []:
-                dp = n // tp // pp
-                for sh in (1, 0):
-                    for rc in (0, 1):
-                        yield planner.Layout(dp, tp, pp, 1, bool(sh), bool(rc))
-
-    good = [
-        lay
-        for lay in gen()
-        if model.heads % lay.tp == 0
-        and model.layers % lay.pp == 0
-        and batch % lay.dp == 0
-        and planner.memory_per_gpu(model, lay, seq, batch)["total"] / 1e9
-        <= 0.9 * reference.published(gpu + ".memory_gb").value
-    ]
-    timed = sorted(
-        (
-            (planner.step_seconds(model, lay, gpu, seq, batch).value, i, lay)
-            for i, lay in enumerate(good)
-        )
-    )
-    timed = [x for x in timed if batch * seq / x[0] >= target]
-    return timed[0][2] if timed else None
-
-
-def right_with_plan_extra(model, gpu, n, seq, batch, target):
-    planner.plan(model, gpu, n, seq, batch)  # harmless extra work
-    return _search(model, gpu, n, seq, batch, float(target))
-
-
-NEW_WRONG_LAYOUT = {
-    wrong_gib_units: "fits 90 %",
-    wrong_all_memory: "fits 90 %",
-    wrong_tokens_per_gpu: "not per GPU",
-    wrong_tp_across_nodes: "tp at most 8",
-    wrong_powers_of_two: "try every tp, pp and dp",
-    wrong_replica_batch: "to run",
-    wrong_swapped_arguments: "fits 90 %",
-    wrong_h100_memory: "fits 90 %",
-    wrong_least_memory_kept: "the fastest layout",
-    wrong_slowest: "the fastest layout",
-    wrong_ddp_only: "FSDP (sharded=True) holds less",
-    wrong_recompute_first: "the fastest layout",
-    wrong_memo_by_cluster: "no layout fits",
-    wrong_dict: "a planner.Layout",
-    wrong_endless_loop: "never ends",
-    wrong_reads_expected: "reads the checker",
-    wrong_dp_not_dividing: "dp dividing 40",
-    wrong_micro_batch: "micro-batches of one",
-    wrong_tokens_per_step: "no layout fits and meets the target",
-}
-NEW_RIGHT_LAYOUT = [
-    RightMemo(),
-    right_planner_layouts,
-    right_sorted_generator,
-    right_with_plan_extra,
-]
-
-
-def _judge_layouts_called(fn):
-    ch13._refuse_peeking("13.2", fn)
-    for case in ch13.LAYOUT_CASES:
-        for _ in range(2):
-            ch13.judge_layout(case, ch13._call("13.2", fn, *case))
-
-
-@pytest.mark.parametrize(
-    "fn", NEW_RIGHT_LAYOUT, ids=lambda f: getattr(f, "__name__", "cls")
-)
-def test_layout_new_right_answers_pass(fn):
-    _judge_layouts_called(fn)
-
-
-@pytest.mark.parametrize("fn", list(NEW_WRONG_LAYOUT), ids=lambda f: f.__name__)
-def test_layout_new_wrong_answers_fail(fn, monkeypatch):
-    monkeypatch.setitem(ch13.LIMIT_S, "13.2", 2)
-    _BY_CLUSTER.clear()
-    msg = rejected(_judge_layouts_called, fn)
-    assert NEW_WRONG_LAYOUT[fn] in msg, msg
-
-
 # 13.1: more answers, written without reading the ones above (each runs to the
 # end on every rank: an answer that hangs one stage is judged by the launch's
 # timeout, which these tests do not wait for).
@@ -1328,3 +797,241 @@ def two_rank_results():
 def test_stage_world_size_written_in_fails_on_two_ranks(two_rank_results, fn):
     msg = rejected(ch13.judge_stage, two_rank_results[fn])
     assert WRONG_ON_TWO[fn] in msg, msg
+
+
+# ------------------------------------------------------------------ 13.2
+# choose_layout over dp x cp x tp x pp x ep, schedules and recomputation, under
+# the GPU's memory times the memory model's worst shortfall
+
+
+SCHEDS = (("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2), ("interleaved", 4))
+
+
+def _usable(gpu):
+    return (reference.published(f"{gpu}.memory_gb").value * 2**30
+            * planner.memory_shortfall())
+
+
+def _time(model, lay, gpu, seq, batch):
+    return sum(planner.step_parts(model, lay, gpu, seq, batch).values())
+
+
+def _candidates(model, n, seq, batch, *, pp_divides=False, cps=True, eps=True,
+                scheds=SCHEDS, recomputes=("none", "selective", "full"), kv=True):
+    for tp, cp, pp in itertools.product(range(1, 9), range(1, n + 1),
+                                        range(1, model.layers // 2 + 1)):
+        if n % (tp * cp * pp) or model.heads % tp or (kv and model.kv_heads % tp):
+            continue
+        if (cp > 1 and (not cps or (seq // 2) % cp)) or (
+                pp_divides and model.layers % pp):
+            continue
+        dp = n // (tp * cp * pp)
+        if batch % dp:
+            continue
+        ep_list = [e for e in range(1, dp * cp + 1) if eps and model.experts
+                   and model.experts % e == 0 and (dp * cp) % e == 0] or [1]
+        for ep, (sched, v), rc in itertools.product(ep_list, scheds, recomputes):
+            if (pp == 1 and sched != "1f1b") or v > model.layers // pp:
+                continue
+            yield planner.Layout(dp, tp, pp, cp=cp, ep=ep, recompute=rc,
+                                 schedule=sched, virtual=v)
+
+
+def _best(model, gpu, n, seq, batch, target, cap=None, **kw):
+    cap = _usable(gpu) if cap is None else cap
+    best = None
+    for lay in _candidates(model, n, seq, batch, **kw):
+        if planner.memory_per_gpu(model, lay, seq, batch)["total"] > cap:
+            continue
+        t = _time(model, lay, gpu, seq, batch)
+        if batch * seq / t >= target and (best is None or t < best[0]):
+            best = (t, lay)
+    return best and best[1]
+
+
+def right_loops(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target)
+
+
+def right_sorted(model, gpu, n, seq, batch, target):
+    rows = []
+    for lay in planner.layouts(model, n, batch, seq=seq):
+        for (sched, v), rc in itertools.product(SCHEDS, ("full", "selective", "none")):
+            if (lay.pp == 1 and sched != "1f1b") or v > model.layers // lay.pp:
+                continue
+            cand = planner.Layout(lay.dp, lay.tp, lay.pp, cp=lay.cp, ep=lay.ep,
+                                  recompute=rc, schedule=sched, virtual=v)
+            if planner.memory_per_gpu(model, cand, seq, batch)["total"] <= _usable(gpu):
+                t = _time(model, cand, gpu, seq, batch)
+                if batch * seq / t >= target:
+                    rows.append((t, str(cand), cand))
+    return sorted(rows, key=lambda r: r[:2])[0][2] if rows else None
+
+
+def right_numpy(model, gpu, n, seq, batch, target):
+    cands = list(_candidates(model, n, seq, batch))
+    mem = np.array([planner.memory_per_gpu(model, c, seq, batch)["total"]
+                    for c in cands] or [np.inf])
+    t = np.array([_time(model, c, gpu, seq, batch) for c in cands] or [np.inf])
+    ok = (mem <= _usable(gpu)) & (batch * seq / t >= target)
+    return cands[int(np.where(ok, t, np.inf).argmin())] if ok.any() else None
+
+
+class RightMemo:  # a cache keyed on every argument is allowed
+    def __init__(self):
+        self.seen = {}
+
+    def __call__(self, model, gpu, n_gpus, seq, global_batch, min_tokens_per_s):
+        key = (model, gpu, n_gpus, seq, global_batch, min_tokens_per_s)
+        if key not in self.seen:
+            self.seen[key] = _best(*key)
+        return self.seen[key]
+
+
+def right_generator_min(model, gpu, n, seq, batch, target):
+    usable = _usable(gpu)
+
+    def timed():
+        for c in _candidates(model, n, seq, batch, recomputes=("selective", "none",
+                                                                 "full")):
+            if planner.memory_per_gpu(model, c, seq, batch)["total"] <= usable:
+                t = _time(model, c, gpu, seq, batch)
+                if batch * seq / t >= target:
+                    yield t, c
+    return min(timed(), key=lambda x: x[0], default=(None, None))[1]
+
+
+def wrong_no_margin(model, gpu, n, seq, batch, target):
+    cap = reference.published(f"{gpu}.memory_gb").value * 2**30
+    return _best(model, gpu, n, seq, batch, target, cap=cap)
+
+
+def wrong_gb_units(model, gpu, n, seq, batch, target):
+    cap = reference.published(f"{gpu}.memory_gb").value * 1e9  # GB, not GiB
+    return _best(model, gpu, n, seq, batch, target, cap=cap)
+
+
+def wrong_pp_divides(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target, pp_divides=True)
+
+
+def wrong_no_cp(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target, cps=False)
+
+
+def wrong_no_ep(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target, eps=False)
+
+
+def wrong_only_1f1b(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target, scheds=(("1f1b", 1),))
+
+
+def wrong_never_recompute(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target, recomputes=("none",))
+
+
+def wrong_always_full(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target, recomputes=("full",))
+
+
+def wrong_first_fit(model, gpu, n, seq, batch, target):
+    for lay in _candidates(model, n, seq, batch):
+        if planner.memory_per_gpu(model, lay, seq, batch)["total"] <= _usable(gpu):
+            if batch * seq / _time(model, lay, gpu, seq, batch) >= target:
+                return lay
+    return None
+
+
+def wrong_tokens_per_gpu(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target * n)
+
+
+def wrong_fixed_gpus(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, 16, seq, batch, target)
+
+
+def wrong_tuple(model, gpu, n, seq, batch, target):
+    lay = _best(model, gpu, n, seq, batch, target)
+    return lay and (lay.dp, lay.tp, lay.pp)
+
+
+def wrong_plan_shortcut(model, gpu, n, seq, batch, target):
+    rows = [r for r in planner.plan(model, gpu, n, seq, batch)
+            if r.fits and not r.tight and r.tokens_per_s >= target]
+    return rows[0].layout if rows else None
+
+
+_BY_MODEL = {}
+
+
+def wrong_memo_by_model(model, gpu, n, seq, batch, target):
+    if model.name not in _BY_MODEL:
+        _BY_MODEL[model.name] = _best(model, gpu, n, seq, batch, target)
+    return _BY_MODEL[model.name]
+
+
+def wrong_endless_loop(model, gpu, n, seq, batch, target):
+    tp = 1
+    while tp <= n:
+        if n % tp:
+            continue
+        tp *= 2
+    return _best(model, gpu, n, seq, batch, target)
+
+
+def wrong_reads_expected(model, gpu, n, seq, batch, target):
+    from course_utils.checks.ch13 import expected_layout
+
+    b = expected_layout((model, gpu, n, seq, batch, target))
+    return b and b[1]
+
+
+RIGHT_LAYOUT = [right_loops, right_sorted, right_numpy, RightMemo(),
+                right_generator_min]
+WRONG_LAYOUT = {
+    wrong_no_margin: "shortfall", wrong_gb_units: "", wrong_pp_divides: "uneven",
+    wrong_no_cp: "context parallelism", wrong_no_ep: "expert",
+    wrong_only_1f1b: "schedule", wrong_never_recompute: "recomput",
+    wrong_always_full: "recompute only where", wrong_first_fit: "shortest step",
+    wrong_tokens_per_gpu: "not per GPU", wrong_fixed_gpus: "dp x cp x tp x pp",
+    wrong_tuple: "a planner.Layout", wrong_plan_shortcut: "", wrong_memo_by_model: "",
+    wrong_endless_loop: "never ends", wrong_reads_expected: "reads the checker",
+}
+
+
+def _judge_layouts(fn):
+    ch13._refuse_peeking("13.2", fn)
+    for case in ch13.LAYOUT_CASES:
+        for _ in range(2):
+            ch13.judge_layout(case, ch13._call("13.2", fn, *case))
+
+
+@pytest.mark.parametrize("fn", RIGHT_LAYOUT,
+                         ids=lambda f: getattr(f, "__name__", "cls"))
+def test_layout_right_answers_pass(fn):
+    _judge_layouts(fn)
+
+
+@pytest.mark.parametrize("fn", list(WRONG_LAYOUT), ids=lambda f: f.__name__)
+def test_layout_wrong_answers_fail(fn, monkeypatch):
+    monkeypatch.setitem(ch13.LIMIT_S, "13.2", 2)
+    _BY_MODEL.clear()
+    msg = rejected(_judge_layouts, fn)
+    assert WRONG_LAYOUT[fn] in msg, msg
+
+
+def test_layout_cases_cover_uneven_stages_context_and_experts():
+    best = [ch13.expected_layout(c) for c in ch13.LAYOUT_CASES]
+    lays = [b[1] for b, c in zip(best, ch13.LAYOUT_CASES, strict=True) if b]
+    models = {c[0].name: c[0] for c in ch13.LAYOUT_CASES}
+    assert any(lay.pp > 1 and any(m.layers % lay.pp for m in models.values()
+                                  if m.layers >= 2 * lay.pp) for lay in lays)
+    assert any(lay.cp > 1 for lay in lays) and any(lay.ep > 1 for lay in lays)
+    assert any(b is None for b in best)  # nothing fits, or nothing fast enough
+
+
+def test_layout_checker_passes_the_solution_and_fails_the_stub():
+    ch13.check_choose_layout(right_loops)
+    with pytest.raises(ExerciseFailed):
+        ch13.check_choose_layout(wrong_first_fit)
