@@ -1015,10 +1015,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-# link name -> published id of its one-direction bandwidth (Chapter 10)
-_TP_LINKS = {"ndr_infiniband": "ndr_infiniband.bandwidth_per_direction_gbps"}
-
-
 def tp_layer_comm_seconds(tokens: int, hidden: int, tp: int,
                           link: str = "nvlink_h100", dtype_bytes: int = 2,
                           collectives: int = 4) -> reference.Figure:
@@ -1027,50 +1023,28 @@ def tp_layer_comm_seconds(tokens: int, hidden: int, tp: int,
     Megatron's layer (Q, K, V fused) all-reduces its ``(tokens, hidden)``
     activation ``collectives`` = 4 times per training step (2 forward, 2
     backward); with sequence parallelism each becomes a reduce-scatter and an
-    all-gather, the same bytes. Each costs the ring's bandwidth term,
-    ``2 (tp - 1) / tp x bytes / bandwidth`` of the ring's slowest link:
-    ``nvlink_h100`` inside an 8-GPU node (NVSwitch gives every GPU its full
-    NVLink bandwidth), ``ndr_infiniband`` once the ring leaves the node (each
-    GPU's one 400 Gb/s port). No latency, no overlap with compute.
+    all-gather, the same bytes. Each is the step model's all-reduce
+    (``collective_seconds``): over ``link`` inside a node (NVSwitch gives
+    every GPU its full NVLink bandwidth), or, for a network port such as
+    ``"ndr_infiniband"``, with the ``tp`` GPUs in different nodes, one port
+    each. Nothing overlapped with compute.
     """
     if tp < 2:
         raise ValueError(f"tp must be at least 2, not {tp}")
-    if link in _TP_LINKS:
-        key = _TP_LINKS[link]
-        e = _entry(key)
-        assert e["unit"] == "GB/s", e
-        bw = float(e["value"]) * 1e9
-    else:
-        bw, key = link_bandwidth(link), LINKS[link][0]
     nbytes = tokens * hidden * dtype_bytes
-    t = collectives * 2 * (tp - 1) / tp * nbytes / bw
+    if link in NICS:  # the ranks in different nodes, one GPU each
+        one = collective_seconds("all_reduce", nbytes, tp, 1, "nvlink_h100", link)
+        inputs = [NICS[link], *NIC_EFFICIENCY_INPUTS, *COLLECTIVE_LATENCY_INPUTS]
+        where = f"{tp} GPUs in {tp} nodes, one {link.replace('_', ' ')} port each"
+    else:
+        one = collective_seconds("all_reduce", nbytes, tp, tp, link)
+        inputs = list(allreduce_inputs(nbytes, tp, link))
+        where = f"{tp} GPUs over {link.replace('_', ' ')}"
     return reference.predicted(
-        t, "s", f"{tp} GPUs over {link.replace('_', ' ')}",
-        f"{collectives} ring all-reduces of a ({tokens}, {hidden}) activation, "
-        f"{dtype_bytes} bytes each: {collectives} x 2(t-1)/t x bytes / link "
-        f"bandwidth ({bw / 1e9:.4g} GB/s each way), t={tp}, no latency, no overlap",
-        [key], caveat=tp_comm_caveat(t / collectives, nbytes, tp, link),
-    )
-
-
-NETWORK_CAVEAT = ("not calibrated: no published measurement of an all-reduce across "
-                  "nodes was found; the model has the port's line rate and no "
-                  "protocol overhead, so it is optimistic")
-
-
-def tp_comm_caveat(t_one: float, nbytes: float, tp: int, link: str) -> str:
-    """What of ``tp_layer_comm_seconds`` no calibration pair checks (Chapter 10).
-
-    ``t_one`` is its time for one all-reduce. Inside a node the calibrated
-    ``allreduce_seconds`` of the same bytes says how far the line rate is
-    off; no published measurement across nodes was found.
-    """
-    if link not in LINKS:
-        return NETWORK_CAVEAT
-    ratio = allreduce_seconds(nbytes, tp, link).value / t_one
-    return ("not calibrated: line rate and no latency; the calibrated NCCL "
-            f"all-reduce of the same bytes (allreduce_seconds) takes {ratio:.2f}x "
-            "as long")
+        collectives * one, "s", where,
+        f"{collectives} NCCL all-reduces of a ({tokens}, {hidden}) activation, "
+        f"{dtype_bytes} bytes each, {one * 1e6:.0f} us each (the step model's "
+        "collectives, calibrated), not overlapped with compute", inputs)
 
 
 def exchange_seconds(sent_bytes: float, peers: int, link: str = "nvlink_h100",

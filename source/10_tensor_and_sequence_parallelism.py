@@ -859,12 +859,12 @@ print(f"[{plain.label}]")
 # (Q, K, V fused) does 4 all-reduces of the `(tokens, h)` activation - 2
 # forward, 2 backward - or, with SP, 4 reduce-scatters and 4 all-gathers of
 # the same total bytes. The cell predicts them for one 2048-token sequence
-# of GPT-3's width, beside the layer's own compute at the H100's bf16 peak
-# (`24 s h^2 + 4 s^2 h` FLOPs forward, 3x that per step, divided by `t`;
-# at the peak compute is as short as it can be, so on the compute side each
-# ratio errs high; real steps reach a fraction of the peak). One thing
+# of GPT-3's width, beside the layer's own compute (`24 s h^2 + 4 s^2 h`
+# FLOPs forward, 3x that per step, divided by `t`), both from the course's
+# step model (Chapter 13): collectives as NCCL runs them, compute at the
+# whole-step rate that model reaches on published training runs. One thing
 # changes at a time: first the TP degree on NVLink inside a node, then the
-# link at 8 GPUs.
+# link at 8 GPUs (one GPU in each of 8 nodes, one network port each).
 
 # %%
 width, heads = 12288, 96  # GPT-3
@@ -874,7 +874,7 @@ def layer_times(tp, link, tokens=2048, gpu="h100_sxm", math="bf16"):
     """(communication, compute) Figures of one layer's training step per GPU."""
     flops = 3 * (24 * tokens * width**2 + 4 * tokens**2 * width) / tp
     return (predict.tp_layer_comm_seconds(tokens, width, tp, link),
-            predict.roofline_seconds(flops, 0, gpu, math))
+            predict.training_compute_seconds(flops, gpu, math))
 
 
 def show_times(label, comm, compute):
