@@ -1158,7 +1158,8 @@ def draw_runs() -> None:
         mine = [p for p in pairs if p.measured.startswith(f"runs.{prefix}")]
         for p in mine:
             fit = p.setup.startswith("[fit]")
-            ax.plot(x, p.ratio, "o" if fit else "s", color=f"C{i}",
+            speed = 1 / p.ratio if p.unit == "s" else p.ratio  # a time: inverted
+            ax.plot(x, speed, "o" if fit else "s", color=f"C{i}",
                     mfc="none" if fit else None, ms=6)
             x += 1
         ax.plot([], [], "s", color=f"C{i}", label=name)
@@ -1167,7 +1168,7 @@ def draw_runs() -> None:
     ax.plot([], [], "s", color="k", label="held back")
     ax.set_xticks([])
     ax.set_ylim(0.6, 1.4)
-    ax.set_ylabel("predicted / published")
+    ax.set_ylabel("predicted / published speed")
     ax.set_title("The step model against published training runs (throughput)",
                  fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.05), ncol=3)
