@@ -18,7 +18,7 @@ course_utils.predict --calibration``):
   how many bytes per token and hidden unit a layer's elementwise work (norms,
   activations, residuals, casts, dropout) moves per pass, in 16-bit units.
   It stands for everything a step does besides its matmuls, attention and
-  collectives, so a whole step reaches 40-55% of the peak, not a matmul's 80%.
+  collectives, so a whole step reaches 38-56% of the peak, not a matmul's 80%.
 
 Public names: ``Decoder`` and the models (``LLAMA2_7B``, ``LLAMA3_8B``,
 ``LLAMA3_70B``, ``LLAMA3_405B``, ``MIXTRAL_8X7B``, ``DEEPSEEK_V3``),

@@ -667,11 +667,11 @@ planner.draw_runs()
 # Read the ratios, not only their band. Whole steps of 2021-2024 runs on
 # A100s and H100s land within the band, held-back runs as well as fitted
 # ones, because the model has what moves them: a large run's whole step
-# reaches 40-55 % of the peak, not a matmul's 80 %, once its attention,
+# reaches 38-56 % of the peak, not a matmul's 80 %, once its attention,
 # elementwise work, optimizer and collectives are counted, and a pipeline
 # loses its bubble. What it assumed where a source is silent is printed
 # beside each run (`python -m course_utils.predict --calibration` lists
-# all 59 pairs): Llama 3's micro-batch size and virtual stages, for
+# every pair): Llama 3's micro-batch size and virtual stages, for
 # instance, are not in its paper. Mixture-of-experts runs (DeepSeek-V3,
 # Mixtral) are listed but not predicted: their sources do not give a step
 # the planner could be compared with, so expert parallelism's terms are
@@ -752,7 +752,7 @@ print("2 layers on 8 fake ranks, recomputed now: "
 #   tensor parallelism inside a node, pipelines and data parallelism across;
 #   the schedule sets the pipeline's bubble, and stages need not be equal.
 # - The planner's step model predicts published runs within 20 % where
-#   their layouts are known: a whole step reaches 40-55 % of the peak, not a
+#   their layouts are known: a whole step reaches 38-56 % of the peak, not a
 #   matmul's 80 %. Its memory model falls short on tensor-parallel and
 #   pipelined runs, so plan with that margin.
 
