@@ -125,8 +125,9 @@ print(f"verdict: doubling S multiplied the plain formula's bytes by {grow[0]:.1f
 # for one, per its README) one GPU runs short of both. **Context parallelism**
 # splits the sequence: rank `r` of `N` keeps its `S / N` rows of Q, K and V.
 # Its queries still need *every* key and value, so the ranks must exchange K
-# and V (the queries and outputs stay put). Two ways: pass K/V blocks around a
-# ring (ring attention), or all-gather them.
+# and V (the queries and outputs stay put): pass K/V blocks around a ring
+# (ring attention), or all-gather them. A third design (Ulysses, section 4)
+# exchanges the sequence split for a split of the heads instead.
 #
 # ## 2. Ring attention by hand
 #
