@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -196,3 +197,27 @@ def test_search_finds_each_chapter_by_a_word_from_its_body(page):
                                           "els => els.map(e => e.href)")
         assert any(f"/{name}.html" in h for h in found), (
             f"searching {term!r} does not find {name}: {found[:5]}")
+
+
+def _title(name: str) -> str:
+    first = "".join(_staged(name)["cells"][0]["source"]).splitlines()[0]
+    return first.lstrip("# ").strip()
+
+
+def test_the_pdf_holds_every_chapter():
+    """``make pdf``'s output, where it was built: every chapter, in order, after
+    the table of contents, each with its unsolved exercises."""
+    pdf = SITE.parent / "course.pdf"
+    if not pdf.exists() or not shutil.which("pdftotext"):
+        pytest.skip("no build/course.pdf (make pdf) or no pdftotext (poppler-utils)")
+    text = subprocess.run(["pdftotext", "-layout", str(pdf), "-"], check=True,
+                          capture_output=True, text=True).stdout
+    text = re.sub(r"\s+", " ", text)
+    titles = [re.sub(r"\s+", " ", _title(name)) for name in CHAPTERS]
+    at = text.find(titles[-1])  # past the table of contents
+    assert at >= 0, f"{titles[-1]!r} is not in the PDF"
+    for title in titles:
+        found = text.find(title, at + 1)
+        assert found > at, f"{title!r} is not in the PDF after the chapter before it"
+        at = found
+    assert text.count("is not solved yet") >= 2 * len(CHAPTERS)

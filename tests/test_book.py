@@ -198,3 +198,55 @@ def test_the_start_page_drops_its_own_section_about_the_site():
     out = book.SITE_SECTION.sub("", text)
     assert "make book" not in out and "## Exercises and grading" in out
     assert "Hello." in out
+
+
+TINY = '''# %% [markdown]
+# # Chapter 0: a tiny chapter
+
+# %%
+import ipywidgets as widgets
+
+from course_utils.exercises import call_learner, fail, passed
+
+print("CPU only (a tiny machine)")
+
+# %%
+widgets.interact(lambda n=3: print(f"n is {n}"),
+                 n=widgets.IntSlider(value=3, min=1, max=5));
+
+# %% [markdown]
+# ## Exercises
+
+# %% tags=["exercise"] exercise="0.1"
+def double(x):
+    ### BEGIN SOLUTION
+    return x + x  # an_answer_only_the_solution_has
+    ### END SOLUTION
+
+# %% tags=["check"] exercise="0.1"
+if call_learner("0.1", double, 2) != 4:
+    fail("0.1", "4", "something else")
+passed("0.1")
+
+# %%
+print("after the exercise:", 6 * 7)
+'''
+
+
+def test_a_chapter_runs_once_and_its_page_shows_the_run(tmp_path, capsys):
+    source = tmp_path / "00_tiny.py"
+    source.write_text(TINY)
+    runs = tmp_path / "runs"
+    path = book.execute(source, runs=runs)
+    run = nbformat.read(path, as_version=4)
+    assert run.metadata["book"]["wall_s"] > 0 and run.metadata["book"]["machine"]
+    page = nbformat.writes(book.learner_view(run, "00_tiny.ipynb"))
+    assert "an_answer_only_the_solution_has" not in page
+    assert "Exercise 0.1 passed" not in page
+    assert "Exercise 0.1 is not solved yet" in page
+    assert "after the exercise: 42" in page
+    assert "n is 3" in page and "cannot move" in page  # the slider's default
+    assert book.WIDGET_VIEW not in page
+    capsys.readouterr()
+    assert book.execute(source, runs=runs) == path  # kept, not run again
+    assert "reusing the run" in capsys.readouterr().out
