@@ -119,7 +119,8 @@ def profile_ddp(rank, world_size, outdir, steps=5):
                 opt.step()
                 opt.zero_grad()
             prof.step()  # tells the schedule that a step ended
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=8,
+    by = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=by, row_limit=8,
                                      max_name_column_width=36)
 
 
@@ -138,9 +139,9 @@ for r, path in files.items():
 # because the call itself waits (while an all-reduce is in flight, or for a
 # core), and the backward does not advance meanwhile. The cell after the table measures this wait
 # from the trace and says which happened in this run. Over `nccl` the same
-# call only queues a kernel on a stream and
-# returns; the GPU's time is in the table's CUDA columns, under
-# `nccl:all_reduce` and its kernels `ncclDevKernel_AllReduce...`.
+# call only queues a kernel on a stream and returns; the table is then
+# sorted by GPU time, led by the kernels (`ncclDevKernel_AllReduce...`
+# under `nccl:all_reduce`).
 
 # %%
 print(results[0].value)
@@ -729,15 +730,15 @@ print(f"one GPU: {days} days x {gpus:,} GPUs / {stops} = one every "
 
 # %% [markdown]
 # So GPUs that each fail once in 6 to 11 years (the last line) stop a job of
-# 16,384 of them every few hours. Young's interval is the first term of a series in
-# $\delta/M$. Daly (*A higher order estimate of the optimum checkpoint interval
+# 16,384 of them every few hours. Young's interval is the first term of a
+# series in $\sqrt{\delta/M}$. Daly (*A higher order estimate of the optimum checkpoint interval
 # for restart dumps*, Future Generation Computer Systems 22(3), 2006) adds the
 # next terms, for $\delta < 2M$:
 # $\tau = \sqrt{2\delta M}\,\bigl[1 + \tfrac{1}{3}\sqrt{\delta/(2M)} +
 # \tfrac{1}{9}\,\delta/(2M)\bigr] - \delta$ (and $\tau = M$ beyond). The two
 # differ by a few percent while a save takes well under a percent of $M$;
 # Young's is enough there. Daly's matters when saves are long against the
-# failure interval (here, a 30-minute save against hours). Drag the sliders:
+# failure interval (set the save to 30 minutes below). Drag the sliders:
 # the failure interval, the save time and the restart cost, against the
 # hours lost per day.
 
