@@ -505,15 +505,19 @@ def heads_to_seq(t, world_size):
 def ulysses_attention(rank, world_size, q, k, v, causal):
     dev, c = rank_device(rank), q.shape[2] // world_size
     local = [t[:, :, rank * c:(rank + 1) * c].to(dev) for t in (q, k, v)]
+    if k.shape[1] < world_size:  # fewer K/V heads than ranks (GQA): copy them
+        local[1:] = [t.repeat_interleave(world_size // k.shape[1], dim=1)
+                     for t in local[1:]]
     heads = [seq_to_heads(t, world_size) for t in local]
-    out = heads_to_seq(F.scaled_dot_product_attention(*heads, is_causal=causal),
-                       world_size)
-    sent = 4 * out.nelement() * out.element_size() * (world_size - 1) // world_size
-    return out.cpu(), sent  # q, k, v and the output each leave (N-1)/N of a rank
+    out = heads_to_seq(F.scaled_dot_product_attention(*heads, is_causal=causal,
+                                                      enable_gqa=True), world_size)
+    sent = sum(t.nelement() * t.element_size() for t in (*local, out))
+    return out.cpu(), sent * (world_size - 1) // world_size  # (N-1)/N leaves
 
 
 def ulysses_runs(rank, world_size, q, k, v):
-    return [ulysses_attention(rank, world_size, q, k, v, c) for c in (False, True)]
+    return [ulysses_attention(rank, world_size, q, k, v, c) for c in (False, True)] + [
+        ulysses_attention(rank, world_size, q, k[:, :1], v[:, :1], True)]  # 1 K/V head
 
 
 torch.manual_seed(0)  # section 2's tensors again
@@ -527,10 +531,19 @@ for i, causal in enumerate((False, True)):
           f"{(got - want).abs().max():.1e}")
 print(f"bytes each rank sent: Ulysses {format_bytes(runs[0][0][1])}, the ring "
       f"{format_bytes(2 * (N_RING - 1) * block)}")
+got = torch.cat([r[2][0] for r in runs], dim=2)
+want = F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True,
+                                      enable_gqa=True)
+print(f"{HEADS} query heads, 1 K/V head copied to {N_RING} ranks: largest difference "
+      f"{(got - want).abs().max():.1e}; Ulysses sent {format_bytes(runs[0][2][1])}, "
+      f"a ring would send {format_bytes(2 * (N_RING - 1) * block // HEADS)}")
 
 # %% [markdown]
-# Exact, and here half the ring's traffic. Per rank and layer, with `s = S/N`
-# rows of `d` values per head:
+# Exact, and with 4 K/V heads half the ring's traffic. With one K/V head
+# shared by all queries (grouped K/V, taken to the extreme), Ulysses must
+# copy it to every rank and still moves Q and the output, while the ring's
+# blocks shrink with the K/V heads: compare the last line's two numbers.
+# Per rank and layer, with `s = S/N` rows of `d` values per head:
 #
 # | design | elements sent per rank | K/V held | limit |
 # | --- | --- | --- | --- |
