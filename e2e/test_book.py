@@ -221,3 +221,10 @@ def test_the_pdf_holds_every_chapter():
         assert found > at, f"{title!r} is not in the PDF after the chapter before it"
         at = found
     assert text.count("is not solved yet") >= 2 * len(CHAPTERS)
+
+
+def test_no_solution_text_in_the_site():
+    """Every line of every solution block, searched in every file of the site."""
+    from course_utils import book
+
+    assert book.leaks(SITE) == []
