@@ -548,8 +548,11 @@ def step_parts(model: Decoder, layout: Layout, gpu: str, seq: int, global_batch:
             send = (n - 1) * (predict.collective_latency() + kv / predict.group_busbw(
                 2, min(2, local), link, nic))
             per_layer = 3 * max(0.0, send - t_attn_stage / max_layers / 3)
-        else:  # Ulysses: q, k, v and the output, forward and backward
-            per_layer = 2 * 4 * predict.collective_seconds(
+        else:  # Ulysses: q and the output whole, k and v only their K/V heads
+            # (copied up to the cp degree when there are fewer), forward and
+            # backward
+            kv_share = max(model.kv_heads, layout.cp) / model.heads
+            per_layer = 2 * (2 + 2 * kv_share) * predict.collective_seconds(
                 "all_to_all", act / layout.tp, n, local, link, nic)
         parts["context parallel"] = per_layer * max_layers * (m + slots)
     if model.moe and layout.ep > 1:
