@@ -250,3 +250,15 @@ def test_a_chapter_runs_once_and_its_page_shows_the_run(tmp_path, capsys):
     capsys.readouterr()
     assert book.execute(source, runs=runs) == path  # kept, not run again
     assert "reusing the run" in capsys.readouterr().out
+
+
+def test_prune_mathjax_keeps_what_the_pages_load(tmp_path):
+    mathjax = tmp_path / "_static" / "mathjax"
+    (mathjax / "output").mkdir(parents=True)
+    for name in ["tex-chtml.js", "loader.js", "startup.js", "core.js", "tex-svg.js",
+                 "mml-chtml.js", "output/chtml.js"]:
+        (mathjax / name).write_text("//")
+    book.prune_mathjax(tmp_path)
+    left = sorted(str(p.relative_to(mathjax)) for p in mathjax.rglob("*.js"))
+    assert left == ["core.js", "loader.js", "output/chtml.js", "startup.js",
+                    "tex-chtml.js"]
