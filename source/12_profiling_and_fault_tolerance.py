@@ -738,14 +738,21 @@ print(f"one GPU: {days} days x {gpus:,} GPUs / {stops} = one every "
 # \tfrac{1}{9}\,\delta/(2M)\bigr] - \delta$ (and $\tau = M$ beyond). The two
 # differ by a few percent while a save takes well under a percent of $M$;
 # Young's is enough there. Daly's matters when saves are long against the
-# failure interval (set the save to 30 minutes below). Drag the sliders:
-# the failure interval, the save time and the restart cost, against the
-# hours lost per day.
+# failure interval (set the save to 30 minutes below). The curve is Daly's
+# complete model for failures at a constant rate, whose first-order terms
+# are the fraction above. Drag the sliders: the failure interval, the save
+# time and the restart cost, against the hours lost per day.
 
 # %%
 def lost_fraction(interval_s, save_s, mtbf_s, restart_s=0.0):
-    """Young's first-order model: saving time plus the expected lost work."""
-    return save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s
+    """Share of the time not spent on new work, failures at a constant rate.
+
+    Daly's complete model (wall time per unit of work); to first order it is
+    Young's save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s.
+    """
+    wall_per_work = (mtbf_s * np.exp(restart_s / mtbf_s)
+                     * np.expm1((interval_s + save_s) / mtbf_s) / interval_s)
+    return 1 - 1 / wall_per_work
 
 
 def young_interval(save_s, mtbf_s):
@@ -774,7 +781,7 @@ def draw_checkpoint_cost(mtbf_h=3.0, save_min=1.0, restart_min=10.0):
            ylabel="hours lost per day")
     ax.set_title(f"M = {mtbf_h:g} h, save {save_min:g} min, restart "
                  f"{restart_min:g} min (Young 1974, Daly 2006)", fontsize=9, pad=8)
-    ax.legend(fontsize=8, loc="upper center")
+    ax.legend(fontsize=8, loc="lower left")
     plt.show()
 
 
@@ -797,9 +804,10 @@ print("caveat: not calibrated: no published measurement of the time a run lost t
 # What the curves say: at the Llama 3 failure rate a checkpoint every few
 # hours loses a large share of each day however fast it saves, so saving
 # cheaply (asynchronous saving, `dcp.async_save`, Chapter 9) is what lets a
-# job save often. The restart cost $R$ adds the same amount at every interval:
-# it moves the curve up, not the best interval, which is why the Llama 3
-# report describes reducing job start-up and checkpointing times.
+# job save often. The restart cost $R$ raises the curve everywhere but
+# leaves the best interval where it is: only a faster start-up wins that
+# time back, which is why the Llama 3 report describes reducing job
+# start-up and checkpointing times.
 
 # %% [markdown]
 # ## 5. Compilation: `torch.compile`
