@@ -871,7 +871,7 @@ def _runs() -> list[Run]:
     tt = "runs.torchtitan_llama3_"
     out += [
         Run(tt + "8b_fsdp_8xh100", "tokens_per_s_per_gpu", LLAMA3_8B,
-            Layout(8, micro_batch=2, recompute="selective"), h100, 8192, 16, "fit",
+            Layout(8, micro_batch=2, recompute="selective"), h100, 8192, 16, "check",
             memory=True, throughput=False),
         Run(tt + "8b_fsdp_128xh100", "tokens_per_s_per_gpu", LLAMA3_8B,
             Layout(128, micro_batch=2, recompute="selective"), h100, 8192, 256,
