@@ -330,7 +330,8 @@ for p, m in ((2, 1), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)):
 
 # %%
 def draw_schedules(p=4, m=8, v=2):
-    fig, axes = plt.subplots(3, 1, figsize=(9, 1.0 * p * 3 + 1.5), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 1.0 * p * 3 + 1.5), sharex=True,
+                             layout="constrained")
     lanes = [f"rank {r}" for r in range(p)]
     for ax, (name, spans) in zip(axes, (
             ("GPipe", simulate(p, m, gpipe_policy)),
@@ -340,7 +341,6 @@ def draw_schedules(p=4, m=8, v=2):
         plot_timeline(spans, ax=ax, unit="s", lanes=lanes,
                       title=f"{name}: bubble {bubble(spans):.0%}")
         ax.set_xlabel("time (forward = 1 unit, backward = 2)")
-    plt.tight_layout()
     plt.show()
     print(f"formulas: (p - 1) / (m + p - 1) = {(p - 1) / (m + p - 1):.0%} for GPipe "
           f"and 1F1B; (p - 1) / (vm + p - 1) = {(p - 1) / (v * m + p - 1):.0%} for "
