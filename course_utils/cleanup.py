@@ -123,6 +123,8 @@ def tidy_up() -> None:
     left = leftover_processes()
     print(f"removed {len(removed)} temporary folder{'s' * (len(removed) != 1)}"
           + "".join(f" ({f.name})" for f in removed)
+          + (" - a cell that uses one needs the chapter run again from the top"
+             if removed else "")
           + "; processes this notebook started still running: "
           + (", ".join(left) if left else "none"))
 
