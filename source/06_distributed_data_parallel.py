@@ -230,8 +230,8 @@ if __name__ == "__main__":
 # `python -m torch.distributed.run` with this notebook's Python. `--standalone`
 # runs the rendezvous on this machine; `--tee=3` copies each worker's output
 # to torchrun's, prefixed with its local rank. By default each worker is a
-# fresh Python importing torch again (seconds of CPU); `--run-path
-# --start-method=fork` forks them from torchrun instead.
+# fresh Python importing torch again; `--run-path --start-method=fork`
+# forks them from torchrun instead.
 
 # %%
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
