@@ -32,6 +32,10 @@ from course_utils.devices import (  # noqa: E402
 
 select_kernel_target()
 
+from course_utils.compat import backport  # noqa: E402
+
+backport()  # the newer torch names the chapters use, on torch 2.11 and 2.12
+
 from course_utils.bench import Benchmark, Timing, bench, sweep  # noqa: E402
 
 __all__ = [

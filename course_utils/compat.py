@@ -93,8 +93,11 @@ def requirements(lines: list[str], torch_version: str | None,
                 continue
             notes.append(f"torch {torch_version} is outside {SUPPORTED}: "
                          f"installing {line} in its place")
-        elif installed is not None and (name in installed or name == "jupyterlab"):
+        elif installed is not None and name in installed:
             notes.append(f"keeping what is installed: not installing {line}")
+            continue
+        elif installed is not None and name == "jupyterlab":
+            notes.append(f"the service has its own notebooks: not installing {line}")
             continue
         keep.append(line)
     return keep, notes
@@ -124,9 +127,9 @@ MOVED: dict[str, tuple[tuple[str, str], ...]] = {
     "context_parallel_unshard": tuple((m, "context_parallel_unshard")
                                       for m in _CP[1:]),
     "set_rotate_method": tuple((m, "set_rotate_method") for m in _CP[1:]),
-    # torch 2.11 has only the older name, with the same signature
+    # torch 2.11 has only all_gather_tensor_autograd (see _all_gather_autograd)
     "all_gather_single_autograd": ((_FC, "all_gather_single_autograd"),
-                                   (_FC, "all_gather_tensor_autograd")),
+                                   (__name__, "_all_gather_autograd")),
     "all_to_all_single_autograd": ((_FC, "all_to_all_single_autograd"),),
     "_cp_options": ((_CP[3], "_cp_options"),),
     "_create_default_load_balancer": (
@@ -137,6 +140,45 @@ MOVED: dict[str, tuple[tuple[str, str], ...]] = {
                     "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
                     "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS")},
 }
+
+
+def _all_gather_autograd(tensor, gather_dim: int, group, tag: str = ""):
+    """``all_gather_single_autograd`` for torch 2.11, from its older function.
+
+    2.11's ``all_gather_tensor_autograd`` takes the same arguments, but its
+    backward (a reduce-scatter) refuses the non-contiguous gradient that a
+    gather along any dimension but the first receives: gather along the first
+    and give the backward a contiguous gradient.
+    """
+    import torch
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    class ContiguousGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.contiguous()
+
+    first = tensor.movedim(gather_dim, 0).contiguous()
+    gathered = all_gather_tensor_autograd(first, 0, group, tag)
+    return ContiguousGrad.apply(gathered).movedim(0, gather_dim)
+
+
+def checkpoint_generator() -> str:
+    """The name of the generator behind non-reentrant ``torch.utils.checkpoint``.
+
+    ``checkpoint(..., use_reentrant=False)`` calls it by this module-level
+    name, so a checker that patches it sees the learner use checkpoint:
+    ``_checkpoint_without_reentrant_generator`` up to torch 2.13,
+    ``..._impl`` from 2.14 (the old name is kept, but no longer called).
+    """
+    import torch.utils.checkpoint as cp
+
+    new = "_checkpoint_without_reentrant_generator_impl"
+    return new if hasattr(cp, new) else "_checkpoint_without_reentrant_generator"
 
 
 def find(name: str):
@@ -157,6 +199,45 @@ def __getattr__(name: str):  # ``from course_utils.compat import MemTracker``
     if name in MOVED:
         return find(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- names newer torch has, given to an older supported one -------------------------
+
+
+def backport() -> list[str]:
+    """Give an older supported torch the newer names the chapters use; which.
+
+    torch 2.13 added ``dist.all_gather_single`` and ``dist.reduce_scatter_single``
+    (``all_gather_into_tensor`` and ``reduce_scatter_tensor`` under new names,
+    same arguments) and DDP's ``forward_sync_buffers`` (which replaces
+    ``broadcast_buffers`` for the buffers synchronised at each forward). On
+    torch 2.11 and 2.12 the old names stand in, so every chapter runs as
+    written. ``course_utils`` calls this on import, so ranks get it too; it
+    changes nothing on a torch that has the names.
+    """
+    import inspect
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    added = []
+    for new, old in (("all_gather_single", "all_gather_into_tensor"),
+                     ("reduce_scatter_single", "reduce_scatter_tensor")):
+        if not hasattr(dist, new) and hasattr(dist, old):
+            setattr(dist, new, getattr(dist, old))
+            added.append(f"torch.distributed.{new}")
+    init = DDP.__init__
+    if "forward_sync_buffers" not in inspect.signature(
+            init, follow_wrapped=False).parameters:
+        def __init__(self, *args, forward_sync_buffers=None, **kwargs):
+            if forward_sync_buffers is not None:
+                kwargs.setdefault("broadcast_buffers", forward_sync_buffers)
+            init(self, *args, **kwargs)
+
+        __init__.__wrapped__ = init
+        DDP.__init__ = __init__
+        added.append("DistributedDataParallel(forward_sync_buffers=...)")
+    return added
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,4 +112,70 @@ def test_a_name_found_nowhere_says_what_was_tried(monkeypatch):
 def test_the_older_all_gather_is_the_fallback(monkeypatch):
     fc = pytest.importorskip("torch.distributed._functional_collectives")
     monkeypatch.delattr(fc, "all_gather_single_autograd", raising=False)
-    assert compat.find("all_gather_single_autograd") is fc.all_gather_tensor_autograd
+    assert compat.find("all_gather_single_autograd") is compat._all_gather_autograd
+
+
+def _gather_and_backward(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from course_utils import compat
+
+    x = (torch.arange(12.0).reshape(1, 2, 6) + 100 * rank).requires_grad_()
+    out = compat._all_gather_autograd(x, 2, dist.group.WORLD)
+    (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+    return out.detach(), x.grad
+
+
+def test_the_fallback_gathers_along_any_dimension_and_back(monkeypatch):
+    from course_utils.dist import launch
+
+    results = launch(_gather_and_backward, 2, echo=False)
+    x = [torch.arange(12.0).reshape(1, 2, 6) + 100 * r for r in range(2)]
+    weights = torch.arange(24.0).reshape(1, 2, 12)
+    for r, result in enumerate(results):
+        out, grad = result.value
+        assert torch.equal(out, torch.cat(x, dim=2))
+        # every rank's loss weights its copy the same: the gradient is their sum
+        assert torch.equal(grad, 2 * weights[..., 6 * r:6 * (r + 1)])
+
+
+def test_backport_gives_older_torch_the_newer_names(monkeypatch):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    compat.backport()  # as on import: once given, nothing is added again
+    assert compat.backport() == []
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    seen = {}
+
+    def old_init(self, module, broadcast_buffers=True):
+        seen["broadcast_buffers"] = broadcast_buffers
+
+    monkeypatch.setattr(DDP, "__init__", old_init)
+    added = compat.backport()
+    assert dist.reduce_scatter_single is dist.reduce_scatter_tensor
+    assert dist.all_gather_single is dist.all_gather_into_tensor
+    assert len(added) == 3
+    DDP.__init__(object(), None, forward_sync_buffers=False)
+    assert seen == {"broadcast_buffers": False}
+    DDP.__init__(object(), None)
+    assert seen == {"broadcast_buffers": True}
+
+
+def test_the_checkpoint_generator_is_the_one_checkpoint_calls(monkeypatch):
+    import torch.utils.checkpoint as cp
+
+    name = compat.checkpoint_generator()
+    calls = []
+    real = getattr(cp, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cp, name, spy)
+    x = torch.ones(3, requires_grad=True)
+    cp.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+    assert calls

@@ -199,6 +199,8 @@ HINTS = {
     "'cuda': it is not always a GPU",
     "when none is available": "use the device you are given instead of a "
     "hard-coded 'cuda': it is not always a GPU",
+    "Found no NVIDIA driver": "use the device you are given instead of a "
+    "hard-coded 'cuda': it is not always a GPU",  # a CUDA build without a GPU
     "Cannot copy out of meta tensor": "leave the moved tensors on the device you "
     "were given (no .cpu(), .item() or .numpy() on them)",
     "maximum recursion depth": "a one-character string contains itself: do not "
@@ -334,6 +336,7 @@ RAMP_HINTS = {
         "forward on x's device"),
     "not compiled with CUDA": "use x's device, not a hard-coded 'cuda'",
     "when none is available": "use x's device, not a hard-coded 'cuda'",
+    "Found no NVIDIA driver": "use x's device, not a hard-coded 'cuda'",
     "Cannot copy out of meta tensor": "leave the output where x is (no .cpu(), "
     ".item() or .tolist() in forward)",
 }

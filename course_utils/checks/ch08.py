@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from course_utils import compat
 from course_utils.exercises import call_learner, fail, passed, require_solution
 from course_utils.memory import LiveBytes
 
@@ -348,7 +349,8 @@ class _CheckpointWatch:
         import torch.utils.checkpoint as cp
 
         self.cp, self.used = cp, False
-        self.gen = cp._checkpoint_without_reentrant_generator
+        self.name = compat.checkpoint_generator()  # moved in torch 2.14
+        self.gen = getattr(cp, self.name)
         self.fwd = cp.CheckpointFunction.__dict__["forward"]
 
         def gen(*args, **kwargs):
@@ -359,12 +361,12 @@ class _CheckpointWatch:
             self.used = True
             return self.fwd.__func__(*args, **kwargs)
 
-        cp._checkpoint_without_reentrant_generator = gen
+        setattr(cp, self.name, gen)
         cp.CheckpointFunction.forward = staticmethod(fwd)
         return self
 
     def __exit__(self, *exc):
-        self.cp._checkpoint_without_reentrant_generator = self.gen
+        setattr(self.cp, self.name, self.gen)
         self.cp.CheckpointFunction.forward = self.fwd
 
 
