@@ -79,14 +79,18 @@ def describe_hardware() -> str:
 
 
 def check(sources: list[Path], timeout: int, slowest: int = 3,
-          quick: bool = False) -> tuple[str, bool]:
-    """Run each chapter's solutions; return the report and whether all passed."""
+          quick: bool = False, echo=None) -> tuple[str, bool]:
+    """Run each chapter's solutions; return the report and whether all passed.
+
+    ``echo`` (``print``, say) is given each chapter's lines as it finishes.
+    """
     from course_utils import build, grade
 
     lines, all_ok = [], True
+    done = 0
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for nb in build.write_solutions(Path(tmp), only=sources):
-            kept = f"{quick_notebook(nb)} of " if quick else ""
+            kept = "of {} ".format(*quick_notebook(nb)) if quick else ""
             start = time.perf_counter()
             try:
                 cells = grade.run_notebooks([nb], timeout=timeout)
@@ -98,8 +102,7 @@ def check(sources: list[Path], timeout: int, slowest: int = 3,
             ok = bool(cells) and not failed and not crash
             all_ok = all_ok and ok
             lines.append(f"{'passed' if ok else 'FAILED'}  {nb.stem:<40} "
-                         f"{seconds:6.1f} s  {len(cells)} cells"
-                         + (f" ({kept.removesuffix(' of ')} kept)" if kept else ""))
+                         f"{seconds:6.1f} s  {len(cells)} {kept}cells")
             if crash:
                 lines += ["    " + ln for ln in crash.splitlines()[-6:]]
             for c in failed:
@@ -109,6 +112,9 @@ def check(sources: list[Path], timeout: int, slowest: int = 3,
                 first = (c.source.strip().splitlines() or [""])[0]
                 lines.append(
                     f"    slow: cell {c.cell} {c.seconds:5.1f} s  {first[:70]}")
+            if echo is not None:
+                echo("\n".join(lines[done:]), flush=True)
+            done = len(lines)
     return "\n".join(lines), all_ok
 
 
@@ -136,15 +142,18 @@ def _defined_and_used(source: str) -> tuple[set[str], set[str]]:
     return bound, used
 
 
-def quick_cells(sources: list[str]) -> list[int]:
+def quick_cells(sources: list[str], gpu_names: frozenset[str] = frozenset()
+                ) -> list[int]:
     """Indices of the code cells ``--quick`` runs, in order.
 
-    A cell is kept when its code mentions the GPU (``GPU_WORDS``), and then
-    every earlier cell that binds a name a kept cell reads, transitively. The
-    first cell (imports and the banner) always runs.
+    A cell is kept when its code mentions the GPU (``GPU_WORDS``) or reads one
+    of ``gpu_names`` (checkers with a GPU path), and then every earlier cell
+    that binds a name a kept cell reads, transitively. The first cell (imports
+    and the banner) always runs.
     """
     info = [_defined_and_used(s) for s in sources]
-    keep = {i for i, s in enumerate(sources) if GPU_WORDS.search(s)}
+    keep = {i for i, s in enumerate(sources)
+            if GPU_WORDS.search(s) or info[i][1] & gpu_names}
     if sources:
         keep.add(0)
     todo = sorted(keep)
@@ -160,16 +169,40 @@ def quick_cells(sources: list[str]) -> list[int]:
     return sorted(keep)
 
 
-def quick_notebook(path: Path) -> int:
-    """Keep only the ``--quick`` code cells of a notebook, in place; how many."""
+def checkers_with_gpu_paths(chapter: str) -> frozenset[str]:
+    """Names of chapter ``NN``'s checkers whose code mentions the GPU."""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(f"course_utils.checks.ch{chapter}")
+    except ImportError:
+        return frozenset()
+    names = set()
+    for name, fn in vars(module).items():
+        if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+            try:
+                if GPU_WORDS.search(inspect.getsource(fn)):
+                    names.add(name)
+            except (OSError, TypeError):
+                continue
+    return frozenset(names)
+
+
+def quick_notebook(path: Path) -> tuple[int]:
+    """Keep only the ``--quick`` code cells of a notebook, in place.
+
+    Returns how many code cells it had.
+    """
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    keep = {id(code[i]) for i in quick_cells([c.source for c in code])}
+    gpu_names = checkers_with_gpu_paths(path.stem[:2])
+    keep = {id(code[i]) for i in quick_cells([c.source for c in code], gpu_names)}
     nb.cells = [c for c in nb.cells if c.cell_type != "code" or id(c) in keep]
     nbformat.write(nb, path)
-    return len(keep)
+    return (len(code),)
 
 
 # --- the wheelhouse -------------------------------------------------------------
@@ -316,8 +349,48 @@ include = {include}
 """
 
 
+CELL_START = re.compile(r"^# %%( |$)")
+
+
+def run_cells(source: Path) -> list[str]:
+    """Run a chapter's code cells in order in one namespace, as its kernel would.
+
+    Each cell is compiled with its own line numbers in ``source`` (so that
+    coverage counts the chapter's lines); a ``%%writefile`` cell writes its
+    file; a cell that raises is reported and the next one runs, as under
+    nbval. Returns one line per failed cell.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    try:
+        from IPython.display import display
+    except ImportError:  # no IPython: show what would be displayed
+        display = print
+    lines = source.read_text().splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if CELL_START.match(line)]
+    ns = {"__name__": "__main__", "__file__": str(source), "display": display}
+    failed = []
+    for k, start in enumerate(starts):
+        header = lines[start]
+        body = lines[start + 1:starts[k + 1] if k + 1 < len(starts) else None]
+        if "[markdown]" in header or not "".join(body).strip():
+            continue
+        code = "".join(body)
+        magic = re.match(r"\s*# %%writefile (\S+)\n", code)
+        try:
+            if magic:
+                target = eval(f"f{magic.group(1)!r}", ns)  # {NAME} as IPython does
+                Path(target).write_text(code[magic.end():])
+                continue
+            exec(compile("\n" * (start + 1) + code, str(source), "exec"), ns)
+        except Exception as e:  # noqa: BLE001 - report it, run the next cell
+            failed.append(f"cell at line {start + 1}: {type(e).__name__}: {e}"[:200])
+    return failed
+
+
 def chapter_lines(source: Path, timeout: int) -> tuple[list[int], str]:
-    """Run a chapter as a script under coverage; its GPU-only lines, and a note."""
+    """Run a chapter's cells under coverage; its GPU-only lines, and a note."""
     import coverage
 
     with tempfile.TemporaryDirectory(prefix="gpu-lines-") as tmp:
@@ -329,7 +402,8 @@ def chapter_lines(source: Path, timeout: int) -> tuple[list[int], str]:
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "coverage", "run", "--rcfile", str(rc),
-                 "--data-file", str(Path(tmp) / ".coverage"), str(source)],
+                 "--data-file", str(Path(tmp) / ".coverage"),
+                 "-m", "course_utils.gpu_check", "--run-cells", str(source)],
                 cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
             note = "" if proc.returncode == 0 else (
                 f"exit {proc.returncode}: "
@@ -392,7 +466,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the GPU machine's Python, for --make-wheelhouse")
     parser.add_argument("--lines", action="store_true",
                         help="list per chapter the lines that only run with a GPU")
+    parser.add_argument("--run-cells", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.run_cells:  # one chapter, for --lines (under coverage)
+        failed = run_cells(args.run_cells.resolve())
+        print("\n".join(failed), file=sys.stderr)
+        return 1 if failed else 0
     if args.make_wheelhouse:
         print(make_wheelhouse(args.make_wheelhouse, args.python_version))
         return 0
@@ -410,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no chapter matches {' '.join(args.chapters)}")
             return 2
     if args.lines:
-        print(f"each chapter as a script under coverage, on this machine's CPU "
+        print(f"each chapter's cells under coverage, on this machine's CPU "
               f"({describe_hardware().split(':')[0]})")
         text, _ = lines_report(sources, args.timeout)
         print(text)
@@ -423,9 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"running {len(sources)} chapter(s) with solutions"
           f"{', only the cells that differ on a GPU' if args.quick else ''}, "
           f"{'recording' if args.record else 'recording nothing'}")
-    text, ok = check(sources, args.timeout, quick=args.quick)
-    print(text)
-    print("all chapters passed" if ok else "some chapters FAILED (see above)")
+    start = time.perf_counter()
+    _, ok = check(sources, args.timeout, quick=args.quick, echo=print)
+    print(f"{'all chapters passed' if ok else 'some chapters FAILED (see above)'}"
+          f" in {time.perf_counter() - start:.0f} s")
     return 0 if ok else 1
 
 

@@ -40,7 +40,7 @@ def test_report_names_failing_cells_and_slow_ones(tmp_path, monkeypatch):
 def test_it_records_nothing_unless_asked(monkeypatch, capsys):
     monkeypatch.setenv("COURSE_RECORD", "1")
     monkeypatch.setattr(gpu_check, "check",
-                        lambda sources, timeout, quick=False: ("", True))
+                        lambda sources, timeout, quick=False, echo=None: ("", True))
     assert gpu_check.main(["00"]) == 0
     import os
     assert "COURSE_RECORD" not in os.environ
@@ -72,7 +72,7 @@ def test_quick_notebook_drops_cells_in_place(tmp_path):
         nbformat.v4.new_code_cell("x = torch.zeros(2, device='cuda')")])
     path = tmp_path / "nb.ipynb"
     nbformat.write(nb, path)
-    assert gpu_check.quick_notebook(path) == 2
+    assert gpu_check.quick_notebook(path) == (3,)
     kept = nbformat.read(path, as_version=4).cells
     assert [c.source for c in kept if c.cell_type == "code"] == [
         "import torch", "x = torch.zeros(2, device='cuda')"]
@@ -108,12 +108,26 @@ def test_gpu_only_lines_are_the_gpu_branches_that_did_not_run():
 
 def test_lines_report_runs_a_chapter_under_coverage(tmp_path):
     source = tmp_path / "05_demo.py"
-    source.write_text(SCRIPT)
+    source.write_text("# %%\n" + SCRIPT)  # one cell: every line one further down
     text, total = gpu_check.lines_report([source], timeout=120)
     if __import__("torch").cuda.is_available():
         pytest.skip("on a GPU the branches run")
     assert total == 4, text
-    assert "05_demo" in text and "lines 4, 7, 10-11" in text
+    assert "05_demo" in text and "lines 5, 8, 11-12" in text
+
+
+def test_cells_run_as_in_a_kernel(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "06_demo.py"
+    source.write_text(
+        "# %% [markdown]\n# # A chapter\n\n"
+        "# %%\nNAME = 'job.py'\n\n"
+        "# %%\n# %%writefile {NAME}\nraise SystemExit('not run here')\n\n"
+        "# %%\nraise ValueError('this cell fails')\n\n"
+        "# %% tags=['check']\nresult = open(NAME).read()\n")
+    failed = gpu_check.run_cells(source)
+    assert failed == ["cell at line 11: ValueError: this cell fails"]
+    assert (tmp_path / "job.py").read_text() == "raise SystemExit('not run here')\n\n"
 
 
 def test_wheelhouse_pins_leave_torch_and_the_native_giants_to_the_site():
@@ -170,3 +184,12 @@ def test_a_site_without_its_native_packages_is_told_so(monkeypatch, capsys):
                         lambda names=None: ["no_such_package"])
     assert gpu_check.run_with_wheelhouse(gpu_check.ROOT, []) == 2
     assert "lacks no_such_package" in capsys.readouterr().out
+
+
+def test_quick_keeps_the_checks_whose_checker_has_a_gpu_path():
+    names = gpu_check.checkers_with_gpu_paths("02")
+    assert "check_measure" in names
+    assert gpu_check.checkers_with_gpu_paths("99") == frozenset()
+    cells = ["import x", "def measure(): pass", "check_measure(measure)", "y = 1"]
+    assert gpu_check.quick_cells(cells, names) == [0, 1, 2]
+    assert gpu_check.quick_cells(cells) == [0]
