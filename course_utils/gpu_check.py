@@ -369,8 +369,22 @@ def run_cells(source: Path) -> list[str]:
         display = print
     lines = source.read_text().splitlines(keepends=True)
     starts = [i for i, line in enumerate(lines) if CELL_START.match(line)]
-    ns = {"__name__": "__main__", "__file__": str(source), "display": display}
-    failed = []
+    import types
+
+    main = types.ModuleType("__main__")  # as a kernel's: what pickles by name
+    ns = main.__dict__  # (a pool's function) is found in it
+    ns.update(__file__=str(source), display=display)
+    failed, before = [], sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        _run(starts, lines, source, ns, failed)
+    finally:
+        sys.modules["__main__"] = before
+    return failed
+
+
+def _run(starts: list[int], lines: list[str], source: Path, ns: dict,
+         failed: list[str]) -> None:
     for k, start in enumerate(starts):
         header = lines[start]
         body = lines[start + 1:starts[k + 1] if k + 1 < len(starts) else None]
@@ -386,7 +400,6 @@ def run_cells(source: Path) -> list[str]:
             exec(compile("\n" * (start + 1) + code, str(source), "exec"), ns)
         except Exception as e:  # noqa: BLE001 - report it, run the next cell
             failed.append(f"cell at line {start + 1}: {type(e).__name__}: {e}"[:200])
-    return failed
 
 
 def chapter_lines(source: Path, timeout: int) -> tuple[list[int], str]:
