@@ -220,12 +220,12 @@ NODE_GPUS = 8  # GPUs of one NVLink node (DGX H100)
 
 
 def beyond_node_caveat() -> str:
-    """Chapter 6's slider past one node: the model keeps the node's link."""
+    """Chapter 6's slider past one node: how the step model crosses nodes."""
     ib = reference.published_entry("ndr_infiniband.bandwidth_per_direction_gbps")
-    return (f"caveat: not calibrated beyond {NODE_GPUS} GPUs (one node): no "
-            "published measurement checks it there, and the ring then crosses the "
-            f"network ({ib['value']} GB/s per GPU each way, InfiniBand NDR), "
-            "which these bars do not model")
+    return (f"beyond {NODE_GPUS} GPUs the ring crosses the network: every GPU "
+            f"through its own {ib['value']} GB/s port (InfiniBand NDR) at the rate "
+            "NCCL reaches per port, as published multi-node all-reduces show "
+            "(python -m course_utils.predict --calibration)")
 
 
 def scaling_slider(predicted_step: Callable[[int, int, str], tuple[float, float]]):
@@ -233,13 +233,11 @@ def scaling_slider(predicted_step: Callable[[int, int, str], tuple[float, float]
     compute and all-reduce times (seconds) on NVLink 4 and PCIe 5.0."""
     import ipywidgets as widgets
 
-    megatron = reference.published("megatron_2021.fraction_of_peak")
-    print(f"caveat: the compute bars assume {predict.matmul_efficiency():.0%} of "
-          "peak, what one large matmul reaches; Megatron-LM's 3072-GPU training run "
-          f"reached {megatron.value}% ({megatron.label}), so real steps take about "
-          f"{predict.matmul_efficiency() * 100 / megatron.value:.1f}x the compute "
-          "shown; and 8 GPUs on PCIe share the host's bandwidth: a published 8 x "
-          "RTX 5090 run reached "
+    print(f"the compute bars are at {predict.step_efficiency():.0%} of the peak, "
+          "the whole-step rate of the course's step model (fitted on published "
+          f"training runs; one large matmul alone reaches "
+          f"{predict.matmul_efficiency():.0%}); caveat: 8 GPUs on PCIe share the "
+          "host's bandwidth: a published 8 x RTX 5090 run reached "
           f"{reference.published('nccl.rtx5090x8_pcie5_allreduce_busbw_gbps').value}"
           " GB/s bus bandwidth, about half the PCIe line's prediction")
 
@@ -249,7 +247,8 @@ def scaling_slider(predicted_step: Callable[[int, int, str], tuple[float, float]
         for row, (link, name) in enumerate(links):
             compute, reduce = predicted_step(tokens, n, link)
             ax.barh(row, compute * 1e3, color="tab:blue",
-                    label="compute (6 P T FLOPs, matmul rate)" if row == 0 else None)
+                    label="compute (6 P T FLOPs, whole-step rate)" if row == 0
+                    else None)
             ax.barh(row, reduce * 1e3, left=compute * 1e3, color="tab:orange",
                     label="gradient all-reduce, if not overlapped" if row == 0
                     else None)

@@ -99,7 +99,7 @@ gpus = torch.cuda.device_count()  # 0 without a GPU
 
 def rank_device(rank):
     """The device of this rank: its own GPU under nccl, the CPU under gloo."""
-    if dist.get_backend() == "nccl":
+    if "nccl" in dist.get_backend():
         return torch.device("cuda", rank)
     return torch.device("cpu")
 
@@ -1209,9 +1209,9 @@ if gpus:  # one GPU per rank, nccl: a real GPU run, even with a single GPU
 # For GPUs, a model of one step predicts the trade-off at scale. Take a
 # language model of `P = 1e9` parameters trained on `T` tokens per GPU per
 # step. Its compute is about `6 P T` FLOPs (forward and backward; Kaplan et
-# al., "Scaling Laws for Neural Language Models", 2020), here at the rate
-# large matmuls reach on an H100 in bf16 (whole steps reach less: the cell
-# says how much less a published run did). The all-reduce moves the
+# al., "Scaling Laws for Neural Language Models", 2020), here at the
+# whole-step rate the course's step model reaches on published training runs
+# (Chapter 13). The all-reduce moves the
 # gradients, and their bytes depend on their dtype, not on autocast's: the
 # cell below shows that under bf16 autocast the activations are bf16 but the
 # gradients stay fp32, like the parameters they belong to. So the all-reduce
@@ -1231,9 +1231,10 @@ PARAMS = 1e9
 
 
 def predicted_step(tokens, n, link):
-    compute = 6 * PARAMS * tokens / predict.achieved_flops("h100_sxm", "bf16")
-    reduce = predict.allreduce_seconds(GRAD_BYTES * PARAMS, n, link).value
-    return compute, reduce
+    compute = predict.training_compute_seconds(6 * PARAMS * tokens, "h100_sxm")
+    reduce = predict.collective_seconds("all_reduce", GRAD_BYTES * PARAMS, n,
+                                        min(n, 8), link)  # 8 GPUs a node
+    return compute.value, reduce
 
 
 scaling_slider(predicted_step)

@@ -438,7 +438,7 @@ def make_stage(rank, world_size):
 
 def rank_device(rank):
     """This rank's GPU under nccl (one stage per GPU), else the CPU."""
-    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else \
+    return torch.device("cuda", rank) if "nccl" in dist.get_backend() else \
         torch.device("cpu")
 
 

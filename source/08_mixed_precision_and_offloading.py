@@ -48,7 +48,6 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import Image, display
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
 from course_utils import banner, bench, predict, reference
@@ -61,6 +60,7 @@ from course_utils.checks.ch08 import (
     check_scaled_step,
 )
 from course_utils.compare import compare
+from course_utils.compat import MemTracker  # torch.distributed._tools.mem_tracker
 
 banner()
 FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16,

@@ -130,7 +130,8 @@ def draw_memory(billions=7.0, world_size=8, precision="bf16 + fp32 master + Adam
 
 widgets.interact(draw_memory,
                  billions=widgets.FloatLogSlider(value=7, base=10, min=-1, max=2.5,
-                                                 description="B params"),
+                                                 description="B params",
+                                                 readout_format=".3g"),
                  world_size=widgets.IntSlider(value=8, min=1, max=256,
                                               description="ranks N"),
                  precision=list(BYTES_PER_PARAM));

@@ -633,7 +633,8 @@ widgets.interact(show_plan, model=list(planner.MODELS), gpu=list(planner.GPUS),
                  seq=widgets.SelectionSlider(options=[2048, 4096, 8192, 32768,
                                                       131072], value=8192),
                  global_batch=widgets.SelectionSlider(
-                     options=[16, 64, 128, 256, 512, 1024, 2048], value=512),
+                     options=[16, 64, 128, 256, 512, 1024, 2048], value=512,
+                     description="batch"),
                  rows=widgets.IntSlider(value=6, min=1, max=12));
 
 # %% [markdown]
