@@ -16,39 +16,23 @@ learner's prediction.
 from __future__ import annotations
 
 import math
-import signal
-import threading
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+    time_limit,
+)
 
 LIMIT_S = 30  # seconds one call of the learner's function may take
 
 
-@contextmanager
-def _time_limit(seconds: float):
-    """Raise TimeoutError in this thread after ``seconds`` (main thread, POSIX)."""
-    usable = (hasattr(signal, "setitimer")
-              and threading.current_thread() is threading.main_thread())
-    if not usable:
-        yield
-        return
-
-    def expire(signum, frame):
-        raise TimeoutError(f"took longer than {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _call(ex, fn, *args):
@@ -60,7 +44,7 @@ def _call(ex, fn, *args):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _time_limit(LIMIT_S):
+        with time_limit(LIMIT_S):
             return call_learner(ex, fn, *args, hints={
                 "took longer than": "your function did not return: look for a "
                                     "loop whose condition never changes"})

@@ -22,41 +22,25 @@ import os
 import random
 import re
 import shutil
-import signal
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+    time_limit,
+)
 
 # ---------------------------------------------------------------- exercise 12.1
 
 LIMIT_S = 20  # seconds the learner's function may take over all cases of a check
 
 
-@contextmanager
-def _time_limit(seconds: float):
-    """Raise TimeoutError in this thread after ``seconds`` (main thread, POSIX)."""
-    usable = (hasattr(signal, "setitimer")
-              and threading.current_thread() is threading.main_thread())
-    if not usable:
-        yield
-        return
-
-    def expire(signum, frame):
-        raise TimeoutError(f"took longer than {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 TOO_SLOW = {"took longer than": f"your function did not return within {LIMIT_S} s "
@@ -285,7 +269,7 @@ def check_hidden_fraction(hidden_fraction, real_events=None) -> None:
         cases.append(("the chapter's real merged trace", list(real_events), comm,
                       "backward", "check it on the real trace: " + GENERIC_12_1))
     seen_values = []
-    with _time_limit(LIMIT_S):
+    with time_limit(LIMIT_S):
         for _what, events, comm, compute, _ in cases:
             copy = [dict(e) for e in events]
             seen_values.append(call_learner(
@@ -482,7 +466,7 @@ def check_first_mismatch(first_mismatch, real_dumps=None) -> None:
     require_solution(ex, first_mismatch)
     cases = _dump_cases(real_dumps)
     seen_values = []
-    with _time_limit(LIMIT_S):
+    with time_limit(LIMIT_S):
         for _what, dumps, _hint in cases:
             given = {r: [dict(e) for e in entries] for r, entries in dumps.items()}
             seen_values.append(call_learner(ex, first_mismatch, given,

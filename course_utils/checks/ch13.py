@@ -23,12 +23,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import signal
-import threading
 import types
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +33,13 @@ from torch import nn
 
 from course_utils import planner, reference
 from course_utils.dist import LaunchTimeout, RankFailed, launch
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+    time_limit,
+)
 
 TIMEOUT_S = 240  # 4 ranks on 2 cores, DTensor and pipelining: slow on a busy machine
 
@@ -98,24 +101,6 @@ def _refuse_peeking(ex: str, fn) -> None:
              "work from the arguments only, not the checker's cases or frames")
 
 
-@contextmanager
-def _time_limit(seconds: float):
-    """Raise TimeoutError in this thread after ``seconds`` (main thread, POSIX)."""
-    if not (hasattr(signal, "setitimer")
-            and threading.current_thread() is threading.main_thread()):
-        yield
-        return
-
-    def expire(signum, frame):
-        raise TimeoutError(f"took longer than {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _call(ex: str, fn, *args, convert=None):
@@ -126,7 +111,7 @@ def _call(ex: str, fn, *args, convert=None):
         return convert(got) if convert else got
 
     body.__name__ = getattr(fn, "__name__", "your function")
-    with _time_limit(LIMIT_S[ex]):
+    with time_limit(LIMIT_S[ex]):
         return call_learner(ex, body, hints={
             "took longer than": "your function did not return: look for a loop "
                                 "or an iterator that never ends"})
