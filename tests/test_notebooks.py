@@ -9,8 +9,11 @@
 """
 
 import json
+import shutil
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +52,7 @@ def _left_in(folder, polls: int = 100) -> list[str]:
 
 
 @pytest.mark.parametrize("source", CHAPTERS, ids=lambda p: p.stem)
-def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir, tmp_path,
+def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir,
                                                          monkeypatch):
     """One run of the learner notebook, each exercise solved after its check.
 
@@ -60,12 +63,17 @@ def test_notebook_runs_and_each_check_fails_until_solved(source, gate_dir, tmp_p
     """
     # the notebook's processes are this one's children: their CPU seconds are
     # counted, and what the machine did besides is other programs' work
-    scratch = tmp_path / "tmp"  # the notebook's temp directory: left empty
-    scratch.mkdir()
+    # the notebook's temp directory, left empty: a short path, since the
+    # socket a forkserver binds there may not exceed 107 bytes (pytest's own
+    # temporary paths, under xdist's worker folders, come close)
+    scratch = Path(tempfile.mkdtemp(prefix=f"gate{source.stem[:2]}-"))
     monkeypatch.setenv("TMPDIR", str(scratch))
-    with Meter(quiet_cores=1.0) as run:
-        cells = run_notebooks([gate_dir / f"{source.stem}.ipynb"])
-    left = _left_in(scratch)
+    try:
+        with Meter(quiet_cores=1.0) as run:
+            cells = run_notebooks([gate_dir / f"{source.stem}.ipynb"])
+        left = _left_in(scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert cells, "nbval collected no cells"
     checks = [c for c in cells if "check" in c.tags]
     solved = [c for c in cells if "solved" in c.tags]
