@@ -34,8 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(os.environ.get("COURSE_BOOK_SITE") or ROOT / "build" / "book")
 PAGES = ROOT / "build" / "book-src"  # the staged pages the site was built from
 SHOTS = ROOT / "build" / "e2e"
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which(
-    "chromium-browser")
 CHAPTERS = sorted(p.stem for p in (ROOT / "source").glob("[0-9][0-9]_*.py"))
 
 sync_api = pytest.importorskip(
@@ -46,17 +44,6 @@ if not (SITE / "index.html").exists():
         raise RuntimeError(f"no site in {SITE}: CI runs `make book` before this")
     pytest.skip(f"no site in {SITE}: run `make book` first", allow_module_level=True)
 
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM:
-        pytest.fail("no chromium on PATH: install it (Debian: apt-get install "
-                    "chromium) or set CHROMIUM=/path/to/chrome")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                               args=["--no-sandbox", "--disable-dev-shm-usage"])
-        yield b
-        b.close()
 
 
 @pytest.fixture()

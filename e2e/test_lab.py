@@ -52,8 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = Path(os.environ.get("COURSE_E2E_NOTEBOOKS") or ROOT / "notebooks")
 SHOTS = ROOT / "build" / "e2e"
 CHAPTERS = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which(
-    "chromium-browser")
 CELL_TIMEOUT_S = 120  # as nbval's: a cell that runs longer counts as hung
 
 sync_api = pytest.importorskip(
@@ -106,17 +104,6 @@ def lab(tmp_path_factory):
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
 
-
-@pytest.fixture(scope="session")
-def browser():
-    if not CHROMIUM:
-        pytest.fail("no chromium on PATH: install it (Debian: apt-get install "
-                    "chromium) or set CHROMIUM=/path/to/chrome")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                               args=["--no-sandbox", "--disable-dev-shm-usage"])
-        yield b
-        b.close()
 
 
 def _open(browser, lab, name: str):
