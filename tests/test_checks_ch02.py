@@ -7,6 +7,7 @@ names its mistake.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import timeit
@@ -487,7 +488,7 @@ def events_median_no_warmup(stages, new_event, sync, rounds=7):
 
 
 @pytest.mark.parametrize("fn", [events_median, events_end_synchronize, StageTimer(),
-                                events_mean_after_warmup, events_median_no_warmup])
+                                StageTimer(warmup=1)])
 def test_time_with_events_accepts_right_answers(fn, capsys):
     check_time_with_events(fn)
     assert "Exercise 2.3 passed" in capsys.readouterr().out
@@ -642,7 +643,7 @@ def wrong_event_before_call(stages, new_event, sync, rounds=5):
     (wrong_milliseconds, ["MILLISECONDS"]),
     (wrong_from_round_start, ["since the round began"]),
     (wrong_total_of_rounds, ["the total of 5 rounds"]),
-    (wrong_mean_no_warmup, ["more than the stage's work", "warm up"]),
+    (wrong_mean_no_warmup, ["no warm-up round"]),
     (wrong_reads_before_waiting, ["RuntimeError", "wait first"]),
     (wrong_one_round, ["at least 3 times"]),
     (wrong_reversed, ["in the order given"]),
@@ -875,3 +876,121 @@ def test_run_epoch_accepts_more_correct(run_epoch, capsys):
 ])
 def test_run_epoch_names_more_mistakes(run_epoch, words, capsys):
     fails(check_run_epoch, run_epoch, words)
+
+
+# --- the mean, no warm-up and an off-by-one call count --------------------------
+
+
+def _measure_off_by_one(fn, sync, calls=5):  # times 5 calls, divides by 6
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / (calls + 1)
+
+
+def _measure_min_of_single_calls(fn, sync):  # the fastest of single calls
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(4):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_measure_names_an_off_by_one_count():
+    fails(check_measure, _measure_off_by_one, "less than the fastest call",
+          "number of calls you timed")
+
+
+def test_measure_accepts_the_fastest_single_call(capsys):
+    check_measure(_measure_min_of_single_calls)
+    assert "passed" in capsys.readouterr().out
+
+
+def _events_trimmed_mean(stages, new_event, sync, rounds=5):  # drops the extremes
+    times = {n: [] for n, _ in stages}
+    for r in range(rounds + 1):
+        ev = [new_event() for _ in range(len(stages) + 1)]
+        ev[0].record()
+        for (_, f), end in zip(stages, ev[1:], strict=True):
+            f()
+            end.record()
+        sync()
+        if r:
+            for k, (n, _) in enumerate(stages):
+                times[n].append(ev[k].elapsed_time(ev[k + 1]) / 1e3)
+    return {n: statistics.mean(sorted(v)[1:-1]) for n, v in times.items()}
+
+
+def _events_per_stage_records(stages, new_event, sync, rounds=5):
+    # two events per stage (start and end), numpy's median
+    got = {n: [] for n, _ in stages}
+    for r in range(rounds + 1):
+        pairs = []
+        for _, f in stages:
+            a, b = new_event(), new_event()
+            a.record()
+            f()
+            b.record()
+            pairs.append((a, b))
+        sync()
+        if r > 0:
+            for (n, _), (a, b) in zip(stages, pairs, strict=True):
+                got[n].append(a.elapsed_time(b) * 1e-3)
+    return {n: float(np.median(v)) for n, v in got.items()}
+
+
+@pytest.mark.parametrize("fn", [_events_trimmed_mean, _events_per_stage_records])
+def test_time_with_events_accepts_more_right_answers(fn, capsys):
+    check_time_with_events(fn)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, words", [
+    (events_mean_after_warmup, ["the mean of the rounds", "median"]),
+    (events_median_no_warmup, ["no warm-up round"]),
+])
+def test_time_with_events_names_a_mean_and_a_missing_warm_up(fn, words):
+    fails(check_time_with_events, fn, *words)
+
+
+def _epoch_keeps_predictions(model, optimizer, batches, loss_fn):
+    preds, total = [], 0.0  # kept "for an accuracy later", graphs and all
+    for x, y in batches:
+        optimizer.zero_grad()
+        pred = model(x)
+        preds.append(pred)
+        loss = loss_fn(pred, y)
+        loss.backward()
+        optimizer.step()
+        total = total + loss.detach()
+    return total.item() / len(batches)
+
+
+def _epoch_keeps_detached_predictions(model, optimizer, batches, loss_fn):
+    preds, total = [], 0.0
+    for x, y in batches:
+        optimizer.zero_grad()
+        pred = model(x)
+        preds.append(pred.detach())
+        loss = loss_fn(pred, y)
+        loss.backward()
+        optimizer.step()
+        total = total + loss.detach()
+    return total.item() / len(batches)
+
+
+def test_run_epoch_names_kept_predictions(capsys):
+    fails(check_run_epoch, _epoch_keeps_predictions, "outputs still holding",
+          "pred.detach()")
+
+
+def test_run_epoch_accepts_detached_predictions(capsys):
+    check_run_epoch(_epoch_keeps_detached_predictions)
+    assert "passed" in capsys.readouterr().out
