@@ -316,8 +316,8 @@ def unpadded_attempt(world_size, dev):
         dist.reduce_scatter_single(torch.empty(37 // world_size, device=dev),
                                    torch.ones(37, device=dev))
         return "accepted"
-    except (RuntimeError, ValueError) as e:
-        return str(e).splitlines()[0]
+    except (RuntimeError, ValueError) as e:  # gloo's text opens with a log prefix
+        return f"{type(e).__name__}: {str(e).splitlines()[0].rpartition('] ')[2]}"
 
 
 def train_rank(rank, world_size, width, depth, steps):
@@ -394,11 +394,11 @@ print(f"[ZeRO-3 moves {ratio.value}x DDP's bytes: {ratio.label}]")
 # %% [markdown]
 # Why the padding: without it, the backend refuses a tensor that does not
 # split into `N` equal slices. What each of the 3 ranks was told when it
-# reduce-scattered a 37-element tensor unpadded (gloo also writes a
-# "Check failed" line to the rank's log: an error it raises, not a crash):
+# reduce-scattered a 37-element tensor unpadded - gloo words it as a failed
+# check, but it is an exception the rank caught, not a crash:
 
 # %%
-print(ranks[0].value["unpadded"][:160])
+print(f"rank 0 caught {ranks[0].value['unpadded'][:160]}")
 
 # %% [markdown]
 # ## 3. Memory per rank, measured

@@ -369,6 +369,24 @@ class BiasTwice(torch.autograd.Function):
     backward = staticmethod(Solution.backward)
 
 
+class IntoTheShards(torch.autograd.Function):
+    """Reduce-scatters the gradients into the parameter shards themselves."""
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = (out_f, in_f)
+        return x @ gather(ws, ctx.shape).T + gather(bs, (out_f,))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ws, bs = ctx.saved_tensors
+        w, n = gather(ws, ctx.shape), dist.get_world_size()
+        dist.reduce_scatter_single(ws, pad(g.T @ x, n))
+        dist.reduce_scatter_single(bs, pad(g.sum(0), n))
+        return g @ w, ws / n, bs / n, None, None
+
+
 class Placeholder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ws, bs, out_f, in_f):
@@ -398,6 +416,7 @@ WRONG_LINEAR = [  # (answer, words its message must contain)
     (KeepsSmallWeights, ["the gathered weight", "(5, 3)"]),
     (NoBias, ["the bias is missing"]),
     (BiasTwice, ["instead of"]),
+    (IntoTheShards, ["inputs left as they were", "the weight shard"]),
 ]
 
 
@@ -617,7 +636,34 @@ def test_wrong_reshard_fail():
         w[w.numel() - 1] += 1
         return out
 
+    def step_by_name(shards, shapes, m):
+        new = [{} for _ in range(m)]
+        for name in shards[0]:
+            if name == "step":
+                for d in new:
+                    d[name] = shards[0][name].clone()
+                continue
+            flat = torch.cat([s[name] for s in shards])[:math.prod(shapes[name])]
+            for r, piece in enumerate(pad(flat, m).chunk(m)):
+                new[r][name] = piece.clone()
+        return new
+
+    def strips_zeros(shards, shapes, m):  # the padding found as trailing zeros
+        new = [{} for _ in range(m)]
+        for name in shards[0]:
+            if name not in shapes:
+                for d in new:
+                    d[name] = shards[0][name].clone()
+                continue
+            flat = torch.cat([s[name] for s in shards])
+            flat = flat[:int(flat.nonzero().max()) + 1]
+            for r, piece in enumerate(pad(flat, m).chunk(m)):
+                new[r][name] = piece.clone()
+        return new
+
     fails(check_reshard_checkpoint, placeholder, "placeholder")
+    fails(check_reshard_checkpoint, step_by_name, "'betas'", "replicated")
+    fails(check_reshard_checkpoint, strips_zeros, "zeros at the tensor's end")
     fails(check_reshard_checkpoint, keeps_old_padding, "old padding")
     fails(check_reshard_checkpoint, chunk_unpadded, "torch.chunk")
     fails(check_reshard_checkpoint, old_world_size, "new_world_size")

@@ -7,7 +7,8 @@ bfloat16 tensors of odd sizes, and one shape called twice with other values
 (state kept across calls shows). 9.1 compares the output, the input's
 gradient and each rank's shard gradients with one process, and names
 everything the forward keeps for backward besides x and the shards (saved
-tensors and tensors on ``ctx``), in every case. 9.3 compares the returned
+tensors and tensors on ``ctx``), in every case, and watches x and the shards
+for any change. 9.3 compares the returned
 norm and the shards, scaled in place, with ``clip_grad_norm_``'s rule. 9.2 is
 a pure function, tried on many world sizes, dtypes and odd shapes; the
 checkpoint it is given is watched for any change.
@@ -120,6 +121,8 @@ def _linear_cases(fn, rank: int, n: int) -> list[dict]:
         ws = _shard(w, rank, n).requires_grad_()
         bs = _shard(b, rank, n).requires_grad_()
         x = x.requires_grad_()
+        given = {"x": x.detach().clone(), "the weight shard": ws.detach().clone(),
+                 "the bias shard": bs.detach().clone()}
         y = fn.apply(x, ws, bs, out_f, in_f)
         known = {"x": x, "shard": ws, "bias shard": bs, "the gathered weight": w,
                  "the gathered bias": b,
@@ -133,7 +136,9 @@ def _linear_cases(fn, rank: int, n: int) -> list[dict]:
             "x.grad": None if x.grad is None else x.grad.clone(),
             "w.grad": None if ws.grad is None else ws.grad.clone(),
             "b.grad": None if bs.grad is None else bs.grad.clone(),
-            "kept": kept})
+            "kept": kept,
+            "changed": [name for name, t in zip(given, (x, ws, bs), strict=True)
+                        if not torch.equal(t.detach(), given[name])]})
     return results
 
 
@@ -273,9 +278,10 @@ def _where_they_differ(seen: torch.Tensor, want: torch.Tensor) -> str:
     diff = (seen.double() - want.double()).abs()
     i = int(diff.flatten().argmax())
     at = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), diff.shape))
-    return (f"at {at if len(at) > 1 else at[0]}: {seen.flatten()[i].item():.5g} "
-            f"instead of {want.flatten()[i].item():.5g} (largest difference "
-            f"{diff.max().item():.3g})")
+    a, b = seen.flatten()[i].item(), want.flatten()[i].item()
+    digits = next((d for d in (5, 8, 11, 14) if f"{a:.{d}g}" != f"{b:.{d}g}"), 17)
+    return (f"at {at if len(at) > 1 else at[0]}: {a:.{digits}g} instead of "
+            f"{b:.{digits}g} (largest difference {diff.max().item():.3g})")
 
 
 def _output_hint(seen, x, w, b, stale) -> tuple[str, str]:
@@ -308,6 +314,14 @@ def check_sharded_linear(ShardedLinear) -> None:  # noqa: C901, PLR0912
         fail(ex, "a torch.autograd.Function subclass", f"{ShardedLinear!r:.60}",
              "keep `class ShardedLinear(torch.autograd.Function)`")
     results = _group_results(ex, _linear_cases, ShardedLinear, "ShardedLinear")
+    for n, rank, cases in results:
+        for (out_f, in_f, *_), got in zip(CASES_91, cases, strict=True):
+            if got["changed"]:
+                fail(ex, f"the inputs left as they were ({n} ranks, rank {rank}, "
+                     f"weight ({out_f}, {in_f}))", f"forward or backward changed "
+                     f"{' and '.join(got['changed'])}", "write results into new "
+                     "tensors (torch.empty_like(shard)): the shards are the model's "
+                     "parameters, and x belongs to the layer below")
     for n, rank, cases in results:
         for i, ((out_f, in_f, rows, dtype, seed), got) in enumerate(
                 zip(CASES_91, cases, strict=True)):
@@ -388,7 +402,9 @@ def _full_state(seed: int) -> dict[str, torch.Tensor]:
     state["b"] = state["b"].to(torch.bfloat16)
     state["b.exp_avg"] = state["b.exp_avg"].to(torch.float64)
     state["emb"] = torch.randint(0, 100, (3, 1), generator=g)  # an int64 tensor
+    state["w"][-1, -3:] = 0  # real zeros at the end: not padding to strip
     state["step"] = torch.tensor(float(seed % 7 + 3))  # replicated scalar
+    state["betas"] = torch.tensor([0.9, 0.999])  # replicated too, not named "step"
     return state
 
 
@@ -424,7 +440,9 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
         shards = _cut(state, n)
         kept, shapes = copy.deepcopy(shards), dict(SHAPES_92)
         case = f"{n} ranks -> {m} ranks"
-        got = call_learner(ex, reshard_checkpoint, shards, shapes, m)
+        got = call_learner(ex, reshard_checkpoint, shards, shapes, m, hints={
+            "'betas'": "every name that shapes leaves out is replicated, whatever "
+            "its name: copy it whole to every new rank"})
         changed = _what_changed(shards, kept, shapes)
         if changed:
             fail(ex, f"the saved shards and shapes left as they were ({case})",
@@ -440,7 +458,8 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
             if not isinstance(d, dict) or set(d) != set(w):
                 fail(ex, f"rank {rank}'s dictionary with keys {sorted(w)} ({case})",
                      f"{sorted(d) if isinstance(d, dict) else type(d).__name__}",
-                     "keep every entry, the replicated 'step' too")
+                     "keep every entry, the replicated ones ('step', 'betas') "
+                     "too")
             for k, t in w.items():
                 s = d[k]
                 label = f"rank {rank}'s {k!r} ({case})"
@@ -452,12 +471,21 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
                          "exactly")
                 if k not in SHAPES_92:
                     if not torch.equal(s, t):
-                        fail(ex, f"{label} = {t.item():g}, as saved",
-                             f"{s.flatten()[:3].tolist()}",
-                             "replicated entries are copied whole to every rank")
+                        fail(ex, f"{label} = {t.tolist()}, as saved",
+                             f"{s.tolist() if s.numel() < 9 else tuple(s.shape)}",
+                             "replicated entries (names that shapes leaves out) "
+                             "are copied whole to every rank")
                     continue
                 numel = math.prod(SHAPES_92[k])
                 if s.shape != t.shape:
+                    flat = state[k].reshape(-1)
+                    stripped = int(flat.nonzero().max()) + 1 if flat.any() else 0
+                    if stripped < numel and s.numel() == math.ceil(stripped / m):
+                        fail(ex, f"{label} of ceil({numel} / {m}) = {t.numel()} "
+                             "elements", f"{s.numel()}: the zeros at the tensor's "
+                             "end were dropped as if they were padding", "cut the "
+                             f"joined shards to math.prod(shapes[name]) = {numel} "
+                             "elements: zeros can be real values")
                     stale = _padded_flat(torch.cat([x[k] for x in shards]), m)
                     if s.numel() == stale.numel() // m != t.numel():
                         fail(ex, f"{label} of ceil({numel} / {m}) = {t.numel()} "
@@ -473,8 +501,8 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
                     fail(ex, label, _where_they_differ(s, t), "rank r gets elements "
                          "r * size ... (r + 1) * size of the padded flat tensor")
     passed(ex, f"{len(CASES_92)} reshardings (1 to 7 ranks), odd sizes, float32, "
-               "float64, bfloat16 and int64 tensors, replicated step: all exact, "
-               "the saved checkpoint untouched.")
+               "float64, bfloat16 and int64 tensors, zeros at a tensor's end, two "
+               "replicated entries: all exact, the saved checkpoint untouched.")
 
 
 # ---------------------------------------------------------------- exercise 9.3
