@@ -40,7 +40,6 @@
 # %%
 import functools
 import math
-import tempfile
 import warnings
 
 import ipywidgets as widgets
@@ -55,6 +54,7 @@ from course_utils.checks.ch09 import (
     check_reshard_checkpoint,
     check_sharded_linear,
 )
+from course_utils.cleanup import scratch_folder, tidy_up
 from course_utils.devices import format_bytes
 from course_utils.dist import launch
 
@@ -938,8 +938,8 @@ def save_rank(rank, world_size, folder):
             "async returned before writing": returned_at_once}
 
 
-folder = tempfile.TemporaryDirectory(prefix="ch09_dcp_")
-saved_by = launch(save_rank, 2, args=(folder.name,), timeout=90)[0].value
+folder = scratch_folder("ch09-dcp-")  # removed with the chapter, however it ends
+saved_by = launch(save_rank, 2, args=(str(folder),), timeout=90)[0].value
 saved = saved_by["weights"]
 print("async_save returned before the write was done:",
       saved_by["async returned before writing"])
@@ -952,8 +952,8 @@ print("async_save returned before the write was done:",
 # %%
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-dcp_to_torch_save(f"{folder.name}/sync", f"{folder.name}/plain.pt")
-plain = torch.load(f"{folder.name}/plain.pt", weights_only=False)
+dcp_to_torch_save(f"{folder}/sync", f"{folder}/plain.pt")
+plain = torch.load(f"{folder}/plain.pt", weights_only=False)
 w = plain["model"]["0.0.weight"]
 print(f"plain file: {sorted(plain)}; model tensors {len(plain['model'])}, "
       f"0.0.weight a {type(w).__name__} of {tuple(w.shape)}, equal to the trained "
@@ -985,8 +985,7 @@ def load_rank(rank, world_size, folder):
             "exp_avg": tuple(adam["exp_avg"].to_local().shape)}
 
 
-loaded = launch(load_rank, 4, args=(folder.name,), timeout=90)[0].value
-folder.cleanup()
+loaded = launch(load_rank, 4, args=(str(folder),), timeout=90)[0].value
 worst = max((a - b).abs().max().item()
             for a, b in zip(loaded["weights"], saved, strict=True))
 print(f"saved on 2 ranks, loaded on 4: largest weight difference {worst:.1e}; "
@@ -1298,3 +1297,6 @@ check_clip_sharded(clip_sharded_grads)
 # | distributed checkpoint | 分布式检查点 |
 # | fake tensor | 伪张量 |
 # | activation | 激活值 |
+
+# %%
+tidy_up()  # the last cell: the chapter's temporary folder goes
