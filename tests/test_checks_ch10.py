@@ -171,6 +171,25 @@ def attn_hard_coded_heads(x, wq, wk, wv, wo, n_heads):  # view(b, s, n_heads, -1
     return Reduce.apply(F.linear(out.transpose(1, 2).reshape(b, s, -1), wo[:, rows]))
 
 
+def _my_heads_with(x, wq, wk, wv, wo, n_heads, **sdpa):
+    b, s, dim = x.shape
+    rows = _mine(dim)
+    x = Copy.apply(x)
+    q, k, v = (F.linear(x, w[rows]).view(b, s, -1, dim // n_heads).transpose(1, 2)
+               for w in (wq, wk, wv))
+    out = F.scaled_dot_product_attention(q, k, v, **sdpa)
+    return Reduce.apply(F.linear(out.transpose(1, 2).reshape(b, s, -1), wo[:, rows]))
+
+
+def attn_not_causal(x, wq, wk, wv, wo, n_heads):  # every token sees the future
+    return _my_heads_with(x, wq, wk, wv, wo, n_heads)
+
+
+def attn_scaled_by_local_width(x, wq, wk, wv, wo, n_heads):  # 1/sqrt(dim / world)
+    scale = (x.shape[-1] // dist.get_world_size()) ** -0.5
+    return _my_heads_with(x, wq, wk, wv, wo, n_heads, is_causal=True, scale=scale)
+
+
 def attn_two_ranks_only(x, wq, wk, wv, wo, n_heads):  # world size hard-coded
     dim = x.shape[-1]
     r = dist.get_rank()
@@ -226,6 +245,8 @@ def attn_rank0_heads(x, wq, wk, wv, wo, n_heads):  # every rank takes rank 0's h
 
 
 WRONG_ATTENTION = {
+    attn_not_causal: ["attends to later tokens", "is_causal=True"],
+    attn_scaled_by_local_width: ["scaled by 1/sqrt(", "head width"],
     attn_no_g: ["partial sum", "g operator"],
     attn_no_f: ["x.grad", "f operator"],
     attn_all_heads: ["heads computed on each rank", "only those"],
@@ -660,6 +681,12 @@ def counts_lp_always(n_layers, sequence_parallel, loss_parallel):
     return c
 
 
+def counts_lp_one_all_reduce(n_layers, sequence_parallel, loss_parallel):
+    c = counts_solution(n_layers, sequence_parallel, loss_parallel)
+    c["all_reduce"] -= 2 if loss_parallel else 0  # one for the loss, not three
+    return c
+
+
 def counts_gpt_formula(n_layers, sequence_parallel, loss_parallel):  # section 4's
     c = counts_solution(n_layers, sequence_parallel, loss_parallel)
     if not sequence_parallel:
@@ -710,6 +737,7 @@ WRONG_COUNTS = {
     counts_lp_ignored: ["loss_parallel=True", "three small all-reduces"],
     counts_lp_keeps_gather: ["no all-gather of the logits"],
     counts_lp_always: ["only come with loss_parallel"],
+    counts_lp_one_all_reduce: ["right without loss_parallel", "adds three small"],
     counts_gpt_formula: ["two column-parallel linears here, gate and up"],
     counts_fused: ["separate column-parallel linears", "five per block"],
     counts_one_layer_too_many: ["one block too many"],

@@ -124,6 +124,31 @@ def one_process_attention(x, wq, wk, wv, wo, n_heads):
     return F.linear(out.transpose(1, 2).reshape(b, s, dim), wo)
 
 
+def _attention_variant(x, weights, n_heads, **sdpa) -> torch.Tensor:
+    """One process's attention with other options of the attention kernel."""
+    wq, wk, wv, wo = weights
+    b, s, dim = x.shape
+    q, k, v = (F.linear(x, w).view(b, s, n_heads, dim // n_heads).transpose(1, 2)
+               for w in (wq, wk, wv))
+    out = F.scaled_dot_product_attention(q, k, v, **sdpa)
+    return F.linear(out.transpose(1, 2).reshape(b, s, dim), wo)
+
+
+def _output_hint(out, x, weights, n_heads: int, world: int, dtype) -> str:
+    """What a wrong output equals, as a hint."""
+    if _close(out, _attention_variant(x, weights, n_heads), dtype):
+        return ("every token attends to later tokens too: the attention is "
+                "causal (is_causal=True)")
+    dim = x.shape[-1]
+    for width in {dim // world, dim, n_heads // world}:
+        if width and _close(out, _attention_variant(
+                x, weights, n_heads, is_causal=True, scale=width ** -0.5), dtype):
+            return (f"the scores are scaled by 1/sqrt({width}): the scale is "
+                    "1/sqrt(head width), which the split leaves unchanged")
+    return ("rank r's heads are rows r*dim/world:(r+1)*dim/world of wq, wk and wv "
+            "and the same columns of wo; reshape with view(b, s, -1, head_dim)")
+
+
 def _attention_rank(rank: int, world_size: int, fns: list, case) -> list:
     results = []
     x, weights, grad_out = _attention_inputs(case)
@@ -243,9 +268,7 @@ def judge_attention(ranks: list[dict], case) -> None:
                  "sums them")
         fail(ex, f"the attention output equal to one process ({where})",
              f"a largest difference of {(out.double() - ref.double()).abs().max():.3g}"
-             f" on rank {rank}",
-             "rank r's heads are rows r*dim/world:(r+1)*dim/world of wq, wk and wv "
-             "and the same columns of wo; reshape with view(b, s, -1, head_dim)")
+             f" on rank {rank}", _output_hint(out, x, weights, n_heads, world, dtype))
     for rank, r in enumerate(ranks):
         gx = r["x_grad"]
         if gx is None:
@@ -739,6 +762,13 @@ def _counts_hint(got: dict, depth: int, sp: bool, lp: bool, measured: dict,
         return ("those are the forward's collectives only: the backward has its own "
                 "(each column-parallel input's gradient, and under SP each "
                 "all-gather's reduce-scatter and the reverse)")
+    without_lp = want(depth, sp, False)
+    if lp and answers.get((depth, sp, False)) == without_lp and got != right and all(
+            got[c] == right[c] for c in COLLECTIVES if c != "all_reduce"):
+        return (f"right without loss_parallel; with it, {right['all_reduce']} "
+                "all-reduces: loss_parallel adds three small ones in the "
+                "cross-entropy (maximum, sum of exponentials, target logit) to "
+                "what the plan has without it")
     if lp and got["all_gather"] > right["all_gather"]:
         return ("loss_parallel keeps the logits sharded by vocabulary: no "
                 "all-gather of the logits, and three small all-reduces in the "
