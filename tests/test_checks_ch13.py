@@ -291,7 +291,7 @@ class RightFinder:
     def differs(grads, d):
         for c, g in grads.items():
             ref = grads[c[:d] + (0,) + c[d + 1:]]
-            if (g - ref).norm() > _tol(g) * ref.norm() * 4:
+            if (g - ref).norm() > _tol(g) * ref.norm() / 10:
                 return True
         return False
 
@@ -530,6 +530,35 @@ def wrong_endless(grads, dim_names):  # a generator that never ends
     return names()
 
 
+def wrong_one_percent(grads, dim_names):  # a loose tolerance for both dtypes
+    return _one_apart(grads, dim_names, lambda a, b: (a - b).abs().max()
+                      <= 1e-2 * max(a.abs().max(), b.abs().max()))
+
+
+def wrong_float32_tol_for_float64(grads, dim_names):  # one tolerance, 1e-4
+    return _one_apart(grads, dim_names, lambda a, b: (a - b).abs().max()
+                      <= 1e-4 * max(a.abs().max(), b.abs().max()))
+
+
+def wrong_line_through_origin(grads, dim_names):  # compares rank 0's lines only
+    origin = tuple(0 for _ in dim_names)
+    out = set()
+    for c, g in grads.items():
+        moved = [i for i in range(len(c)) if c[i]]
+        o = grads[origin]
+        if len(moved) == 1 and (g - o).abs().max() > _tol(g) * o.abs().max():
+            out.add(dim_names[moved[0]])
+    return out
+
+
+def wrong_relative_per_element(grads, dim_names):  # zeros skipped, tiny kept
+    def close(a, b):
+        seen = (a != 0) | (b != 0)
+        rel = (a - b).abs()[seen] / b.abs()[seen].clamp(min=1e-30)
+        return rel.numel() == 0 or rel.max() <= _tol(a)
+    return _one_apart(grads, dim_names, close)
+
+
 def wrong_string(grads, dim_names):
     return ",".join(sorted(right_pairs(grads, dim_names)))
 
@@ -549,6 +578,10 @@ NEW_WRONG_REDUCTION = {
     wrong_replays_cases: "reads the checker",
     wrong_endless: "never ends",
     wrong_string: "a set of dimension names",
+    wrong_one_percent: "a few 1e-3",
+    wrong_float32_tol_for_float64: "a few 1e-6",
+    wrong_line_through_origin: "only some ranks",
+    wrong_relative_per_element: "relative to the largest element",
 }
 
 
@@ -574,24 +607,28 @@ class RightCallable:
 
     def __call__(self, grads, dim_names):
         names = list(dim_names)
+        wide = next(iter(grads.values())).dtype == torch.float64
+        rtol = self.rtol * 1e-6 if wide else self.rtol
         return {names[d] for d in range(len(names)) for c in grads for c2 in grads
                 if sum(a != b for a, b in zip(c, c2, strict=True)) == 1
                 and c[d] != c2[d]
-                and not torch.allclose(grads[c], grads[c2], rtol=self.rtol,
-                                       atol=self.rtol * grads[c].abs().max().item())}
+                and not torch.allclose(grads[c], grads[c2], rtol=rtol,
+                                       atol=rtol * grads[c].abs().max().item())}
 
 
 def right_numpy_frozenset(grads, dim_names):
     arr = {c: t.numpy() for c, t in grads.items()}
+    tol = 1e-4 if next(iter(arr.values())).dtype == np.float32 else 1e-10
     return frozenset(n for d, n in enumerate(dim_names) for c in arr
                      if not np.allclose(arr[c], arr[c[:d] + (0,) + c[d + 1:]],
-                                        rtol=1e-3, atol=1e-3 * np.abs(arr[c]).max()))
+                                        rtol=tol, atol=tol * np.abs(arr[c]).max()))
 
 
 def right_sorted_list(grads, dim_names):  # a list, with repeats
+    top = max(t.abs().max().item() for t in grads.values())
     return [n for d, n in enumerate(dim_names) for c in grads
             if c[d] and not torch.allclose(grads[c], grads[c[:d] + (0,) + c[d + 1:]],
-                                           rtol=1e-3, atol=0)]
+                                           rtol=0, atol=_tol(grads[c]) * top)]
 
 
 def right_lazy(grads, dim_names):  # a generator that ends
@@ -744,6 +781,32 @@ def wrong_first_tp_kept(model, tp):  # the first call's tp, reused
     return right_wildcard_plan(model, _FIRST_TP.setdefault("tp", tp))
 
 
+def wrong_dealt_round_robin(model, tp):  # stage i keeps blocks i, i + n, ...
+    mesh = _pp_tp(tp)
+    i, n = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    names = list(model.layers)
+    for k in names:
+        if k not in names[i::n]:
+            del model.layers[k]
+    if i:
+        model.embed = None
+    if i != n - 1:
+        model.norm = model.head = None
+    return PipelineStage(make_tp(model, mesh["tp"]), i, n, "cpu",
+                         group=mesh["pp"].get_group())
+
+
+def hangs_on_rank_0(model, tp):  # one collective more on rank 0
+    if dist.get_rank() == 0:
+        dist.barrier()
+    return right_device_mesh(model, tp)
+
+
+def test_stage_hanging_answer_says_where_each_rank_waits():
+    msg = rejected(ch13.check_pp_tp_stage, hangs_on_rank_0)
+    assert "did not finish" in msg and "rank 0 in barrier" in msg, msg
+
+
 NEW_RIGHT_STAGE = [right_wildcard_plan, right_deepcopy_per_linear, RightCounting(),
                    right_by_submodule]
 NEW_WRONG_STAGE = {
@@ -753,6 +816,7 @@ NEW_WRONG_STAGE = {
     wrong_reinitialised: "the given model's weights", wrong_scaled_weights:
     "the given model's weights", wrong_frozen_embedding: "every gradient",
     wrong_first_tp_kept: "pipeline stages",
+    wrong_dealt_round_robin: "consecutive blocks",
 }
 
 
