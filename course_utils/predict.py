@@ -860,10 +860,11 @@ def _network_pairs() -> list[Pair]:
 
 def calibration_pairs() -> list[Pair]:
     """Every prediction the course's models make of a published measurement."""
-    from course_utils import planner  # whole runs, through the planner's model
+    from course_utils import planner, serving  # whole runs and serving runs
 
     return [*_compute_pairs(), *_copy_pairs(), *_allreduce_pairs(),
-            *_network_pairs(), *_training_pairs(), *planner.run_pairs()]
+            *_network_pairs(), *_training_pairs(), *planner.run_pairs(),
+            *serving.serving_pairs()]
 
 
 _HOST_READS = ("the same machine's device-to-host copy reaches the link's rate, so "
@@ -936,7 +937,7 @@ def out_of_scope() -> list[OutOfScope]:
          "the seed's machine and PyTorch version are unknown, and a matmul's "
          "launch (cuBLAS dispatch) is not the elementwise launch the model has"),
     ]
-    from course_utils import planner  # whole runs the planner does not cover
+    from course_utils import planner, serving  # runs no model covers
 
     out = []
     for setup, key, unit, reason in items:
@@ -945,7 +946,7 @@ def out_of_scope() -> list[OutOfScope]:
         if unit == "x" and _entry(key)["unit"] != "x":  # AMP's over TF32's rate
             value /= v(key.replace("_amp_", "_tf32_"))
         out.append(OutOfScope(setup, float(value), unit, key, reason))
-    return out + planner.out_of_scope()
+    return out + planner.out_of_scope() + serving.out_of_scope()
 
 
 def caveat(measured: str) -> str:
@@ -978,17 +979,20 @@ def calibration_report() -> tuple[list[str], bool]:
     lines.append(f"{len(pairs) - len(bad)} pairs within [{BAND[0]}, {BAND[1]}], "
                  f"{len(bad)} outside it")
     lines += [f"outside the band: {p.setup}" for p in bad]
-    fit = [p for p in pairs if p.setup.startswith("[fit]")]
-    held = [p for p in pairs if p.setup.startswith("[check]")]
-    if fit and held:
-        from course_utils import planner
+    from course_utils import planner, serving
 
+    runs = [p for p in pairs if not serving.is_serving(p)]
+    fit = [p for p in runs if p.setup.startswith("[fit]")]
+    held = [p for p in runs if p.setup.startswith("[check]")]
+    if fit and held:
         lines.append(
             f"whole runs: the activation traffic "
             f"({planner.fitted_activation_traffic():.0f} x 2 bytes per token and "
             f"hidden unit) fitted on the {len(fit)} pairs marked [fit]; the "
             f"{len(held)} marked [check] were held back from the fit, ratios "
             f"{min(p.ratio for p in held):.2f}-{max(p.ratio for p in held):.2f}")
+    if any(serving.is_serving(p) for p in pairs):
+        lines.append(serving.fit_summary(pairs))
     if len(pairs) < MIN_PAIRS:
         lines.append(f"too few calibration pairs: {len(pairs)} < {MIN_PAIRS}")
     scope = out_of_scope()
