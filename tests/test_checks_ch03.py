@@ -2289,3 +2289,54 @@ def test_load_ahead_more_wrong(fn, words):
     with pytest.raises(ExerciseFailed) as err:
         check_load_ahead(fn)
     assert words in str(err.value)
+
+
+def a_w_close_lets_queue_finish(dataset, batch_size, workers):
+    """Bounded and ordered, but on close leaving the pool waits for every queued
+    load: nothing is cancelled."""
+    starts = iter(range(0, len(dataset), batch_size))
+    if not workers:
+        for s in starts:
+            yield _a_load(dataset, s, batch_size)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        pend = collections.deque(pool.submit(_a_load, dataset, s, batch_size)
+                                 for s in itertools.islice(starts, 2 * workers))
+        while pend:
+            b = pend.popleft().result()
+            s = next(starts, None)
+            if s is not None:
+                pend.append(pool.submit(_a_load, dataset, s, batch_size))
+            yield b
+
+
+def a_r_shutdown_cancel(dataset, batch_size, workers):
+    """Right: shutdown(cancel_futures=True) when the loop stops."""
+    starts = iter(range(0, len(dataset), batch_size))
+    if not workers:
+        for s in starts:
+            yield _a_load(dataset, s, batch_size)
+        return
+    pool = ThreadPoolExecutor(workers)
+    try:
+        pend = collections.deque(pool.submit(_a_load, dataset, s, batch_size)
+                                 for s in itertools.islice(starts, 2 * workers))
+        while pend:
+            b = pend.popleft().result()
+            s = next(starts, None)
+            if s is not None:
+                pend.append(pool.submit(_a_load, dataset, s, batch_size))
+            yield b
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_load_ahead_names_queued_loads_run_after_close():
+    with pytest.raises(ExerciseFailed) as err:
+        check_load_ahead(a_w_close_lets_queue_finish)
+    assert "started loading after the close" in str(err.value)
+
+
+def test_load_ahead_accepts_shutdown_with_cancel(capsys):
+    check_load_ahead(a_r_shutdown_cancel)
+    assert "Exercise 3.3 passed" in capsys.readouterr().out

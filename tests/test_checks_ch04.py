@@ -984,3 +984,95 @@ def test_busy_cores_reference_refused():
 
     with pytest.raises(ExerciseFailed, match="reference answer"):
         ch04.check_predict_busy_cores(the_checkers_own, measure=False)
+
+
+# --- stray workers after an error, and the queue-join deadlock -------------------
+
+
+def map_raises_at_once(fn, items, processes, timeout=60):
+    """Raises the task's error at once: the other workers run on, unstopped."""
+    tasks, done = FORK.Queue(), FORK.Queue()
+    ws = [FORK.Process(target=_worker_loop, args=(fn, tasks, done), daemon=True)
+          for _ in range(processes)]
+    for w in ws:
+        w.start()
+    for i, x in enumerate(items):
+        tasks.put((i, x))
+    for _ in ws:
+        tasks.put(None)
+    out = [None] * len(items)
+    for _ in items:
+        i, e, v = done.get(timeout=timeout)
+        if e is not None:
+            raise e
+        out[i] = v
+    for w in ws:
+        w.join(timeout)
+    return out
+
+
+def map_joins_first(fn, items, processes, timeout=60):
+    """Joins the workers before reading the results: fine for small results."""
+    tasks, done = FORK.Queue(), FORK.Queue()
+    ws = [FORK.Process(target=_worker_loop, args=(fn, tasks, done), daemon=True)
+          for _ in range(processes)]
+    for w in ws:
+        w.start()
+    for i, x in enumerate(items):
+        tasks.put((i, x))
+    for _ in ws:
+        tasks.put(None)
+    for w in ws:
+        w.join(timeout)
+    out, error = [None] * len(items), None
+    for _ in items:
+        i, e, v = done.get(timeout=timeout)
+        error = error or e
+        out[i] = v
+    for w in ws:
+        if w.is_alive():
+            w.terminate()
+            w.join(1)
+    if error:
+        raise error
+    return out
+
+
+def map_terminates_on_error(fn, items, processes, timeout=60):
+    """Right: on a task's error, terminate the workers and raise it."""
+    tasks, done = FORK.Queue(), FORK.Queue()
+    ws = [FORK.Process(target=_worker_loop, args=(fn, tasks, done), daemon=True)
+          for _ in range(processes)]
+    for w in ws:
+        w.start()
+    try:
+        for i, x in enumerate(items):
+            tasks.put((i, x))
+        out = {}
+        for _ in items:
+            i, e, v = done.get(timeout=timeout)
+            if e is not None:
+                raise e
+            out[i] = v
+        for _ in ws:
+            tasks.put(None)
+        return [out[i] for i in range(len(items))]
+    finally:
+        for w in ws:
+            w.join(0.2)
+            if w.is_alive():
+                w.terminate()
+                w.join(5)
+
+
+def test_process_map_names_workers_left_after_an_error():
+    fails(ch04.check_process_map, map_raises_at_once, "a task that raises",
+          "still alive")
+
+
+def test_process_map_names_a_join_before_the_results():
+    fails(ch04.check_process_map, map_joins_first, "512 KiB", "get every result first")
+
+
+def test_process_map_accepts_terminating_on_error():
+    ch04.check_process_map(map_terminates_on_error)

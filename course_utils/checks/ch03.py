@@ -1102,6 +1102,7 @@ def _drive(ex: str, fn: Callable, data: TracedSamples, bs: int, workers: int,
         except Exception as e:  # the dataset's error, or the learner's own
             error = e
         close = getattr(it, "close", None)
+        closed_at = time.perf_counter()
         if callable(close) and error is None:
             try:
                 close()
@@ -1111,7 +1112,7 @@ def _drive(ex: str, fn: Callable, data: TracedSamples, bs: int, workers: int,
         while threading.active_count() > threads0 and time.perf_counter() < deadline:
             time.sleep(0.01)
         return {"batches": got, "waits": waits, "handed": handed, "asked": asked,
-                "error": error,
+                "error": error, "closed_at": closed_at,
                 "left": threading.active_count() - threads0,
                 "loop_thread": threading.get_ident()}
 
@@ -1250,18 +1251,31 @@ def check_load_ahead(fn: Callable) -> None:
                  f"{workers} threads loading at once make {workers} batches per "
                  f"{load_s * 1e3:.0f} ms, enough for {need or 'no'} thread(s); "
                  "are they loading while the loop trains, all of them?")
-    # the loop stops after 3 batches: loading stops, and no thread is left
-    data = TracedSamples(48, 0.040 / 4, seed=7)
-    run = _drive(ex, fn, data, 4, 2, 0.025, stop_after=3)
+    # the loop stops after 3 batches: loading stops, and no thread is left; 3
+    # threads keep 3 batches loading and 3 queued, and a queued one must not start
+    data = TracedSamples(60, 0.200 / 4, seed=7)  # slow loads, quick steps
+    run = _drive(ex, fn, data, 4, 3, 0.005, stop_after=3)
     if run["error"] is not None:
         _raised_in_loop(ex, run["error"])
-    started = {i // 4 for _s, _e, i, _t in data.trace}
-    if len(started) > 3 + 2 * 2 + 1 or run["left"] > 0:
+    first_load: dict[int, float] = {}
+    for start, _e, i, _t in data.trace:
+        first_load[i // 4] = min(start, first_load.get(i // 4, math.inf))
+    after = sorted(b for b, t in first_load.items() if t > run["closed_at"])
+    cancel = ("on close (GeneratorExit at the `yield`, or a `finally:`) cancel what "
+              "is queued (future.cancel(), or shutdown(cancel_futures=True)) and let "
+              "the threads end")
+    if len(first_load) > 3 + 2 * 3 + 1 or run["left"] > 0:
         fail(ex, "when the loop stops after 3 batches (the generator is closed), "
              "loading stops and the threads end",
-             f"{len(started)} of 12 batches loaded, {run['left']} thread(s) left",
-             "on close (GeneratorExit at the `yield`, or a `finally:`) cancel "
-             "what is queued and let the threads end")
+             f"{len(first_load)} of 15 batches loaded, {run['left']} thread(s) left",
+             cancel)
+    if len(after) > 1:  # one may start as the close arrives
+        fail(ex, "when the loop stops after 3 batches (the generator is closed), "
+             "no queued batch starts loading",
+             f"{len(after)} batches (numbers {after}) started loading after the "
+             "close: every queued load ran to its end",
+             cancel + "; leaving a `with ThreadPoolExecutor` block waits for "
+             "every queued load")
     # a corrupt sample: the error reaches the loop, which must not hang
     data = TracedSamples(40, 0.040 / 4, seed=8, fail_at=9)
     run = _drive(ex, fn, data, 4, 2, 0.025)

@@ -102,8 +102,8 @@ def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S):
     return "value", out["value"], cpu, wall
 
 
-def _no_orphans(ex: str, case: str) -> None:
-    left = _left_children()
+def _no_orphans(ex: str, case: str, wait_s: float = 3.0) -> None:
+    left = _left_children(wait_s)
     if left:
         _kill(left)
         fail(ex, f"no worker left running when your function returns ({case})",
@@ -165,6 +165,14 @@ MAP_CASES = [  # values, processes
     ([float(i) for i in range(-6, 6)], 2),
 ]
 SLOW_S = 1.0
+AFTER_ERROR_S = 1.0  # the items after a failing one: stray workers are still busy
+STRAY_WAIT_S = 0.5  # a terminated or joined worker is gone by then
+BIG_BYTES = 512 * 1024  # a result larger than a pipe's buffer (64 KiB on Linux)
+
+
+def big_task(x):
+    """A result of BIG_BYTES: its worker cannot exit until someone reads it."""
+    return bytes([int(x) % 256]) * BIG_BYTES, os.getpid()
 
 
 def check_process_map(process_map) -> None:
@@ -240,10 +248,33 @@ def check_process_map(process_map) -> None:
         fail(ex, "this process to wait, not to spin",
              f"{cpu_total:.2f} CPU s in {wall_total:.2f} s of wall time",
              "block on queue.get(timeout=...) instead of polling in a loop")
-    # a task that raises: the error reaches the caller, and nothing hangs
+    # results larger than a pipe holds: a worker that put one cannot exit until
+    # it is read, so joining the workers before reading every result deadlocks
+    values = [3.0, 7.0, 11.0, 13.0, 17.0, 19.0]
+    deadlock = ("a worker that put a large result on a queue cannot exit until it "
+                "is read: get every result first, then join the workers")
+    try:
+        status, got, _, wall = _guarded(ex, process_map, big_task, values, 2, 3,
+                                        timeout=12)
+    except ExerciseFailed:
+        fail(ex, "6 results of 512 KiB in well under timeout=3 s",
+             "still waiting after 12 s: a deadlock", deadlock)
+    if status == "error":
+        _no_orphans(ex, "results of 512 KiB")
+        _raised(ex, got)
+    _no_orphans(ex, "results of 512 KiB")
+    if [r[0][:1] for r in got] != [bytes([int(v)]) for v in values]:
+        fail(ex, "[fn(x) for x in items] for results of 512 KiB each",
+             "other results", "each result must be fn(item), in the order of items")
+    if wall >= 3:
+        fail(ex, "6 results of 512 KiB in well under timeout=3 s",
+             f"{wall:.1f} s: a join timed out first", deadlock)
+    # a task that raises: the error reaches the caller, and nothing hangs; the
+    # items after it are slow, so workers nobody stopped are still running
     meet_dir = tempfile.mkdtemp(prefix="ch04_meet_")
     try:
-        items = [(v, meet_dir, 1, 0.0) for v in (1.0, "boom", 3.0, 4.0)]
+        items = [(v, meet_dir, 1, 0.0 if i < 2 else AFTER_ERROR_S)
+                 for i, v in enumerate((1.0, "boom", 3.0, 4.0, 5.0, 6.0))]
         status, got, _, _ = _guarded(ex, process_map, pool_task, items, 2)
     finally:
         shutil.rmtree(meet_dir, ignore_errors=True)
@@ -252,7 +283,8 @@ def check_process_map(process_map) -> None:
         fail(ex, "an error raised in the caller when a task raises",
              f"it returned {got!r:.60}", "catch the exception in the worker, send "
              "it back with the item's index, and raise it in process_map")
-    _no_orphans(ex, "a task that raises")
+    _no_orphans(ex, "a task that raises (the workers still had slow items)",
+                STRAY_WAIT_S)
     chain = [got, got.__cause__, None if got.__suppress_context__ else got.__context__]
     if not any(isinstance(e, ValueError) or "failed on purpose" in str(e)
                for e in chain if e is not None):
