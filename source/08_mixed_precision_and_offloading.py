@@ -1001,7 +1001,10 @@ check_recompute(recompute)
 # `torch.autograd.graph.saved_tensors_hooks`. The checker runs two forwards
 # before one backward (both graphs alive at once), in float32, float64 and
 # bfloat16, and checks what stays in memory, what lies on disk, that the
-# folder is empty afterwards, and the gradients.
+# folder is empty afterwards, and the gradients. It runs on the CPU, so it
+# cannot see a tensor read back onto the wrong device: keep what
+# `torch.load` gives (the device it was saved from), since a
+# `map_location="cpu"` breaks the backward of a model on a GPU.
 
 # %% tags=["exercise"] exercise="8.3"
 def offloaded(fn, x, folder):
@@ -1031,7 +1034,8 @@ check_offloaded(offloaded)
 # Write `cheapest_format(values, rel_error)`: the first of `"float16"`,
 # `"bfloat16"`, `"float32"` that stores every value of the tensor `values`
 # finite and within relative error `rel_error` (return `"float64"` if none
-# does).
+# does). The checker's tensors have from 3 to 4,099 values, of any shape and
+# float dtype, views included.
 
 # %% tags=["exercise"] exercise="8.4"
 def cheapest_format(values, rel_error):

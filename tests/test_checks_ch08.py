@@ -1065,3 +1065,53 @@ def test_more_right_offloads_pass(fn):
 ])
 def test_more_wrong_offloads_fail(fn, words):
     fails(ch08.check_offloaded, fn, *words)
+
+
+# ------------------------------------------ 8.4: long, strided, each value its own
+
+
+def fmt_first_hundred(values, rel_error):  # looks at the first 100 values only
+    return fmt_loop(values.reshape(-1)[:100], rel_error)
+
+
+def fmt_norm_wise(values, rel_error):  # the largest error against the largest value
+    v = values.double()
+    for name in ("float16", "bfloat16", "float32"):
+        r = values.to(getattr(torch, name)).double()
+        if torch.isfinite(r).all() and (r - v).abs().max() <= rel_error * v.abs().max():
+            return name
+    return "float64"
+
+
+def fmt_allclose(values, rel_error):  # allclose's default atol=1e-8 as well
+    v = values.double()
+    for name in ("float16", "bfloat16", "float32"):
+        r = values.to(getattr(torch, name)).double()
+        if torch.isfinite(r).all() and torch.allclose(r, v, rtol=rel_error):
+            return name
+    return "float64"
+
+
+def fmt_first_row(values, rel_error):  # a 2-D input read by its first row
+    return fmt_loop(values[0] if values.dim() > 1 else values, rel_error)
+
+
+def fmt_sorted_chunks(values, rel_error):  # right: the values sorted, in chunks
+    flat = values.reshape(-1).sort().values
+    names = ("float16", "bfloat16", "float32", "float64")
+    worst = max(names.index(fmt_loop(c, rel_error)) for c in flat.split(64))
+    return names[worst]
+
+
+def test_cheapest_format_accepts_sorted_chunks():
+    ch08.check_cheapest_format(fmt_sorted_chunks)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (fmt_first_hundred, ["4,099 values", "whole tensor"]),
+    (fmt_norm_wise, ["ITS size", "not the largest error"]),
+    (fmt_allclose, ["atol=1e-8"]),
+    (fmt_first_row, ["transposed", "convert all of it"]),
+])
+def test_cheapest_format_names_a_partial_look(fn, words):
+    fails(ch08.check_cheapest_format, fn, *words)

@@ -699,7 +699,76 @@ FORMAT_CASES = [  # what, values, relative error, what the case is about
      "rather than reasoning from eps or the smallest normal"),
     ("nine exact values and one off by 1e-4", torch.tensor([1.0] * 9 + [1.0001]),
      2e-5, "every value must be within the tolerance, not their mean or most"),
+    ("a large value and a tiny one, each judged by its own size",
+     torch.tensor([30000.0, 2e-6, -30000.0]), 1e-3,
+     "the error of each value relative to ITS size: |stored - v| <= rel_error * "
+     "|v| element by element, not the largest error against the largest value "
+     "(a norm)"),
+    ("a value float16 flushes to zero, 5e-9", torch.tensor([1.0, 2.0, 5e-9]), 1e-2,
+     "a value stored as 0 has lost all of itself: use no absolute tolerance "
+     "(torch.allclose and isclose add atol=1e-8 unless told atol=0)"),
 ]
+
+
+def _norm_wise(values: torch.Tensor, rel_error: float) -> str:
+    v = values.double()
+    for name in FORMATS:
+        r = values.to(getattr(torch, name)).double()
+        if torch.isfinite(r).all() and bool(
+                (r - v).abs().max() <= rel_error * v.abs().max()):
+            return name
+    return "float64"
+
+
+def _with_atol(values: torch.Tensor, rel_error: float) -> str:
+    v = values.double()
+    for name in FORMATS:
+        r = values.to(getattr(torch, name)).double()
+        if torch.isfinite(r).all() and torch.allclose(r, v, rtol=rel_error):
+            return name
+    return "float64"
+
+
+def _mistake_probes() -> list:
+    """(mistake model, the case that shows it) for hints confirmed on probes."""
+    by_what = {c[0]: c for c in FORMAT_CASES}
+    return [(_norm_wise, by_what["a large value and a tiny one, each judged by "
+                                 "its own size"]),
+            (_with_atol, by_what["a value float16 flushes to zero, 5e-9"])]
+
+
+def _confirmed_hint(ex, cheapest_format, values, rel, got) -> str:
+    """The hint of a mistake that gives ``got`` here and also on its own probe."""
+    for model, (_, probe, probe_rel, hint) in _mistake_probes():
+        if model(values, rel) != got:
+            continue
+        seen = str(call_learner(ex, cheapest_format, probe.clone(), probe_rel))
+        if seen.replace("torch.", "") == model(probe, probe_rel):
+            return hint
+    return ""
+
+
+def _long_case() -> tuple:
+    """4,099 values float16 stores exactly, but value 2,713 needs float32."""
+    g = torch.Generator().manual_seed(84)
+    values = torch.randn(4099, generator=g).half().float()
+    values[2713] = 1.0001
+    return ("4,099 values, one of them (value 2,713) finer than 16 bits keep",
+            values, 1e-5, "every value counts: look at the whole tensor, not its "
+            "first values or a sample of them")
+
+
+def _strided_case() -> tuple:
+    """A transposed (non-contiguous) float64 view; one value needs bfloat16."""
+    g = torch.Generator().manual_seed(85)
+    base = torch.randn(7, 5, generator=g, dtype=torch.float64).half().double()
+    base[6, 4] = 7e5
+    return ("a transposed 5 x 7 float64 view with one value beyond float16's range",
+            base.T, 1e-2, "a view is a tensor like any other: convert all of it "
+            "(no .view(-1) on a non-contiguous tensor, no loop over the first row)")
+
+
+FORMAT_CASES += [_long_case(), _strided_case()]
 
 
 def check_cheapest_format(cheapest_format) -> None:
@@ -731,6 +800,7 @@ def _formats_body(cheapest_format) -> None:
         }
         hint = hints.get(got, "try float16, then bfloat16, then float32: convert "
                          "and compare with the original values")
+        about = _confirmed_hint(ex, cheapest_format, values, rel, got) or about
         if (values == 0).any() and got == "float64":  # no format passed: zeros?
             about = ("a zero is stored exactly, with an error of 0: test "
                      "|stored - v| <= rel_error * |v| (true at 0), not < and not "
