@@ -286,6 +286,10 @@ def test_wrong_blockwise_fail():
         out = via_split(q.double(), k.double(), v.double(), block, causal)
         return out.to(q.dtype) if q.dtype != torch.bfloat16 else out.float()
 
+    def float32_inside(q, k, v, block, causal=False):  # float64 in and out
+        return via_split(q.float(), k.float(), v.float(), block, causal).to(q.dtype)
+
+    fails(check, float32_inside, "float32's rounding only")
     fails(check, library, "37 keys at once", "never (S x S)")
     fails(check, query_blocks_all_keys, "37 keys at once")
     fails(check, cached_by_shape, "equal to scaled_dot_product_attention")

@@ -141,6 +141,11 @@ def _attention_hint(q, k, v, got, causal, block):
         if torch.allclose(got.double(), cut.double(), atol=atol):
             return (f"the last {s - full} keys are missing: when S is not a multiple "
                     "of block, the last block is shorter")
+    if q.dtype == torch.float64:
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if (got - want).abs().max() < TOLERANCE[torch.float32]:
+            return ("right to float32's rounding only: compute in the inputs' dtype "
+                    "(the running log-sum-exp too, not a float32 tensor)")
     if causal:
         per_block = torch.zeros(s, s, dtype=torch.bool)
         for start in range(0, s, block):
