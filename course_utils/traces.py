@@ -18,6 +18,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
 
 class Span(NamedTuple):
     """One complete event of a merged trace; times in microseconds."""
@@ -119,3 +123,80 @@ def spans(events: Iterable[dict], name: str | None = None, rank: int | None = No
         found.append(Span(int(e.get("pid", 0)), e.get("name", ""), start, end,
                           e.get("tid", 0)))
     return sorted(found, key=lambda s: (s.start, s.rank))
+
+
+# --- counters of one training step (Chapter 13) ------------------------------
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the distributed operators a block of code dispatches (Chapter 13).
+
+    ``c10d`` and the functional collectives DTensor uses, point-to-point sends
+    and receives included; ``counts`` maps a name ("all-gather", ...) to calls.
+    """
+
+    NAMES = {"allreduce": "all-reduce", "all_reduce": "all-reduce",
+             "allgather_base": "all-gather", "all_gather_into_tensor": "all-gather",
+             "allgather": "all-gather",
+             "reduce_scatter_base": "reduce-scatter",
+             "reduce_scatter_tensor": "reduce-scatter", "send": "send", "recv": "recv"}
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            name = self.NAMES.get(func.__name__.split(".")[0].strip("_"))
+            if name:
+                self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def local(t):
+    """A DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class SavedActivations:
+    """The peak bytes autograd keeps for the backward inside the block
+    (Chapter 13): each kept storage once while it lives, the model's own
+    (gathered) weights left out; ``peak`` after the block."""
+
+    def __init__(self, model):
+        self.model, self.alive, self.live, self.peak = model, {}, 0, 0
+
+    def pack(self, t):
+        storage = local(t).untyped_storage()
+        key = storage.data_ptr()
+        weights = {local(p).untyped_storage().data_ptr()  # FSDP2: the gathered ones
+                   for p in self.model.parameters()}
+        if key in weights or not storage.nbytes():
+            return t
+        return Kept(self, key, storage.nbytes(), t)
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(
+            self.pack, lambda k: k.t if isinstance(k, Kept) else k)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+class Kept:
+    """One saved tensor; the last one of a storage to go frees its bytes."""
+
+    def __init__(self, owner, key, nbytes, t):
+        self.owner, self.key, self.nbytes, self.t = owner, key, nbytes, t
+        if owner.alive.get(key, 0) == 0:
+            owner.live += nbytes
+            owner.peak = max(owner.peak, owner.live)
+        owner.alive[key] = owner.alive.get(key, 0) + 1
+
+    def __del__(self):
+        o = self.owner
+        o.alive[self.key] -= 1
+        if o.alive[self.key] == 0:
+            o.live -= self.nbytes

@@ -49,13 +49,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     parallelize_module,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_utils import banner, memory, planner, reference
 from course_utils.checks.ch13 import (
@@ -64,6 +62,7 @@ from course_utils.checks.ch13 import (
     check_pp_tp_stage,
 )
 from course_utils.dist import launch
+from course_utils.traces import Collectives, SavedActivations
 
 banner()
 
@@ -215,78 +214,16 @@ def context_parallel(model, cp_mesh):
 
 
 # %% [markdown]
-# Two counters. `Collectives` is a dispatch mode that sees every operator
+# Two counters, from `course_utils.traces`. `Collectives` is a dispatch mode that sees every operator
 # and counts those of the distributed libraries (`c10d`, and the functional
 # collectives DTensor uses), point-to-point sends and receives included.
 # `SavedActivations` tracks what autograd keeps for the backward pass with a
 # saved-tensors hook (Chapter 8): each kept storage counts once while it
 # lives, and the peak is recorded. Unlike `MemTracker`, it also works when a
 # pipeline runs a stage's forward several times per step (one per
-# micro-batch), which `MemTracker` refuses.
-
-# %%
-class Collectives(TorchDispatchMode):
-    NAMES = {"allreduce": "all-reduce", "all_reduce": "all-reduce",
-             "allgather_base": "all-gather", "all_gather_into_tensor": "all-gather",
-             "allgather": "all-gather",
-             "reduce_scatter_base": "reduce-scatter",
-             "reduce_scatter_tensor": "reduce-scatter", "send": "send", "recv": "recv"}
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            name = self.NAMES.get(func.__name__.split(".")[0].strip("_"))
-            if name:
-                self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class SavedActivations:
-    def __init__(self, model):
-        self.model, self.alive, self.live, self.peak = model, {}, 0, 0
-
-    def pack(self, t):
-        storage = local(t).untyped_storage()
-        key = storage.data_ptr()
-        weights = {local(p).untyped_storage().data_ptr()  # FSDP2: the gathered ones
-                   for p in self.model.parameters()}
-        if key in weights or not storage.nbytes():
-            return t
-        return Kept(self, key, storage.nbytes(), t)
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(
-            self.pack, lambda k: k.t if isinstance(k, Kept) else k)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-
-class Kept:
-    """One saved tensor; the last one of a storage to go frees its bytes."""
-
-    def __init__(self, owner, key, nbytes, t):
-        self.owner, self.key, self.nbytes, self.t = owner, key, nbytes, t
-        if owner.alive.get(key, 0) == 0:
-            owner.live += nbytes
-            owner.peak = max(owner.peak, owner.live)
-        owner.alive[key] = owner.alive.get(key, 0) + 1
-
-    def __del__(self):
-        o = self.owner
-        o.alive[self.key] -= 1
-        if o.alive[self.key] == 0:
-            o.live -= self.nbytes
-
+# micro-batch), which `MemTracker` refuses. Each is a context manager:
+# `with Collectives() as counter:` leaves `counter.counts`, `with
+# SavedActivations(model) as tracker:` leaves `tracker.peak` (bytes).
 
 # %% [markdown]
 # One training loop serves every layout: five Adam steps, memory counted on
