@@ -8,6 +8,7 @@ mistake fails with a message that names it.
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -257,3 +258,29 @@ def time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+_FRAME = re.compile(r"^\s+(\S+) \((\S+), line (\d+)\)$", re.M)
+_DIST_FILES = ("distributed_c10d.py", "c10d_logger.py")
+
+
+def where_ranks_waited(error: BaseException | str) -> str:
+    """One line from a launch timeout's stacks: what each unfinished rank was doing.
+
+    ``"rank 0 waiting in recv (called from two_stage_step, line 12); rank 1 in
+    step (line 30)"``: the collective a rank was blocked in, and the learner's
+    line that called it; else the innermost frame. Empty if no stack was sent.
+    """
+    parts = []
+    for rank, frames in re.findall(r"rank (\d+) was in \(innermost first\):\n"
+                                   r"((?:    .*(?:\n|$))*)", str(error)):
+        names = _FRAME.findall(frames)
+        in_dist = [i for i, (_, file, _) in enumerate(names) if file in _DIST_FILES]
+        if in_dist:
+            caller = next((f"called from {fn}, line {line}" for fn, file, line
+                           in names[in_dist[0]:] if file not in _DIST_FILES), "")
+            parts.append(f"rank {rank} waiting in {names[in_dist[0]][0]}"
+                         + (f" ({caller})" if caller else ""))
+        elif names:
+            parts.append(f"rank {rank} in {names[0][0]} (line {names[0][2]})")
+    return "; ".join(parts)

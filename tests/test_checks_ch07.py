@@ -346,7 +346,7 @@ def test_wrong_two_stage_steps_fail(name):
 def test_blocking_sends_in_1f1b_order_fail(monkeypatch):
     monkeypatch.setattr(ch07, "TIMEOUT_S", 15.0)  # it waits for ever: not 45 s
     fails(ch07.check_two_stage_step, one_f_one_b_blocking, "both ranks to finish",
-          "blocking send")
+          "blocking send", "waiting in")  # where each rank was
 
 
 def test_placeholder_two_stage_step_fails_at_once():

@@ -100,3 +100,22 @@ def test_placeholder_is_recognised_without_calling_it():
     with pytest.raises(ExerciseFailed, match="a function"):
         require_solution("4.1", None)
     require_solution("4.1", solved)
+
+
+def test_where_ranks_waited_names_the_collective_and_the_calling_line():
+    from course_utils.exercises import where_ranks_waited
+
+    text = ("ranks 0 and 1 did not finish within 30 s; all ranks were stopped.\n"
+            "Where each unfinished rank was:\n"
+            "  rank 0 was in (innermost first):\n"
+            "    recv (distributed_c10d.py, line 2450)\n"
+            "    wrapper (c10d_logger.py, line 81)\n"
+            "    two_stage_step (3312.py, line 12)\n"
+            "    _step_rank (ch07.py, line 200)\n"
+            "  rank 1 was in (innermost first):\n"
+            "    step (3312.py, line 30)\n"
+            "  rank 2: no stack (it did not answer in time)")
+    assert where_ranks_waited(text) == (
+        "rank 0 waiting in recv (called from two_stage_step, line 12); "
+        "rank 1 in step (line 30)")
+    assert where_ranks_waited("rank 0 failed: ValueError") == ""

@@ -28,7 +28,20 @@ from collections.abc import Callable
 import torch
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+    where_ranks_waited,
+)
+
+
+def _stuck(e: BaseException) -> str:
+    """A launch timeout's first line and what each unfinished rank was doing."""
+    where = where_ranks_waited(e)
+    return str(e).splitlines()[0] + (f": {where}" if where else "")
+
 
 TIMEOUT_S = 45.0  # a rank that waits longer waits for a message nobody sends
 CALL_S = 10.0  # a schedule or a split that takes longer never ends
@@ -300,7 +313,7 @@ def check_two_stage_step(two_stage_step: Callable) -> None:
         fail(ex, "both ranks to finish", first[:240],
              "read the rank's traceback above")
     except LaunchTimeout as e:
-        fail(ex, "both ranks to finish", str(e).splitlines()[0],
+        fail(ex, "both ranks to finish", _stuck(e),
              "a blocking send waits until the other rank receives: if both ranks "
              "send first, or receive first, both wait for ever. Post the receives "
              "in the order the other rank sends (all forwards, then all "
@@ -492,7 +505,9 @@ def check_one_f_one_b(one_f_one_b: Callable) -> None:
         ranks = [r.value for r in launch(_schedule_rank, p, args=(orders[(p, m)], m),
                                          timeout=TIMEOUT_S, backend="gloo")]
     except (RankFailed, LaunchTimeout) as e:
-        fail(ex, f"your orders to run on {p} processes", str(e).splitlines()[0][:200],
+        fail(ex, f"your orders to run on {p} processes",
+             _stuck(e) if isinstance(e, LaunchTimeout)
+             else str(e).splitlines()[0][:200],
              "a schedule that passes the simulator should run: check every stage's "
              "list")
     want = _one_process_grads(p, m)
