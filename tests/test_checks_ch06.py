@@ -816,7 +816,7 @@ def save_all_reduce_as_barrier(model, rank, path):  # any collective waits as we
 
 @pytest.mark.parametrize("fn, words", [
     (save_poll_for_file, ["complete", "dist.barrier()"]),
-    (save_only_rank_1_loads, ["unchanged", "every rank loads"]),
+    (save_only_rank_1_loads, ["rank 0 never loaded it", "every rank loads"]),
     (save_broadcast_no_file, ["file", "torch.save"]),
 ])
 def test_save_then_load_rejects_more(fn, words, short_timeout):
@@ -825,3 +825,30 @@ def test_save_then_load_rejects_more(fn, words, short_timeout):
 
 def test_save_then_load_accepts_all_reduce_as_barrier():
     check_save_then_load(save_all_reduce_as_barrier)
+
+
+def save_fixed_sleep(model, rank, path):  # a long pause instead of waiting
+    import time
+
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    else:
+        time.sleep(1.5)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def save_rank_0_keeps_its_model(model, rank, path):  # rank 0 skips the load
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+        dist.barrier()
+        return
+    dist.barrier()
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+@pytest.mark.parametrize("fn, words", [
+    (save_fixed_sleep, ["dist.barrier()"]),
+    (save_rank_0_keeps_its_model, ["rank 0 never loaded it", "rank 0 included"]),
+])
+def test_save_then_load_rejects_a_sleep_and_a_skipped_load(fn, words, short_timeout):
+    fails(check_save_then_load, fn, *words)

@@ -24,10 +24,18 @@ from pathlib import Path
 import torch
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
-from course_utils.exercises import fail, passed, require_solution
+from course_utils.exercises import fail, passed, require_solution, where_ranks_waited
+
+
+def _stuck(e: BaseException) -> str:
+    """A launch timeout's first line and what each unfinished rank was doing."""
+    where = where_ranks_waited(e)
+    return str(e).splitlines()[0] + (f": {where}" if where else "")
+
 
 TIMEOUT_S = 30  # a rank that waits longer waits for a collective nobody else calls
 LATE_S = 0.4  # at most how late one rank arrives in 6.3
+HOLD_CAP_S = 12  # rank 0's write waits at most this for the others to wait for it
 
 
 def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
@@ -54,7 +62,7 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
         fail(exercise, "every rank to finish", first[:200],
              "read the rank's traceback above")
     except LaunchTimeout as e:
-        fail(exercise, "every rank to finish", str(e).splitlines()[0],
+        fail(exercise, "every rank to finish", _stuck(e),
              stuck_hint or "every rank must call the same collectives, in the "
              "same order")
 
@@ -512,14 +520,57 @@ def _holds_rank_0(path: str) -> bool:
         return False
 
 
-def _hold_back(flags: Path, rank: int, world_size: int, until=None) -> None:
+def _others_waiting(flags: Path, rank: int, world_size: int) -> bool:
+    """Whether every other rank has finished or entered a collective (a wait)."""
+    return all((flags / f"done{q}").exists() or (flags / f"waits{q}").exists()
+               for q in range(world_size) if q != rank)
+
+
+def _hold_back(flags: Path, rank: int, world_size: int, until=None,
+               extend: bool = False) -> None:
     """Wait up to LATE_S, less if every other rank has finished (it did not
-    wait for this one) or ``until()`` holds."""
-    deadline = time.monotonic() + LATE_S
-    while time.monotonic() < deadline and not _others_done(flags, rank, world_size):
+    wait for this one) or ``until()`` holds. With ``extend`` (rank 0, half its
+    file written) it then waits on, up to HOLD_CAP_S, until every other rank
+    has finished or entered a collective: a rank that sleeps a fixed time
+    instead of waiting wakes before the file is complete, however long it
+    sleeps (within the cap)."""
+    start = time.monotonic()
+    while time.monotonic() < start + LATE_S and not _others_done(
+            flags, rank, world_size):
         if until is not None and until():
             return
         time.sleep(0.01)
+    while extend and time.monotonic() < start + HOLD_CAP_S and not (
+            _others_waiting(flags, rank, world_size)):
+        time.sleep(0.01)
+
+
+WAITS = ("barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
+         "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+         "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+         "recv", "irecv", "batch_isend_irecv", "reduce_scatter")
+
+
+def _mark_waits(flags: Path, rank: int) -> Callable[[], None]:
+    """Mark ``flags/waits{rank}`` when this rank enters a collective; returns
+    the function that puts torch.distributed back as it was."""
+    import torch.distributed as dist
+
+    real = {name: getattr(dist, name) for name in WAITS if hasattr(dist, name)}
+
+    def marked(fn):
+        def call(*args, **kwargs):
+            (flags / f"waits{rank}").touch()
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in real.items():
+        setattr(dist, name, marked(fn))
+
+    def restore() -> None:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return restore
 
 
 class _Model(torch.nn.Linear):
@@ -582,11 +633,19 @@ def _checkpoint_rank(rank: int, world_size: int, save_then_load: Callable,
         with open(path, "wb") as out:
             out.write(data[:len(data) // 2])
             out.flush()
-            _hold_back(flags, rank, world_size)
+            _hold_back(flags, rank, world_size, extend=True)
             out.write(data[len(data) // 2:])
         return None
 
+    real_load, loaded = torch.serialization.load, []
+
+    def load(f, *args, **kwargs):
+        loaded.append(True)
+        return real_load(f, *args, **kwargs)
+
     torch.save = torch.serialization.save = save
+    torch.load = torch.serialization.load = load
+    restore = _mark_waits(flags, rank)
     unpickled = []
     sys.addaudithook(lambda event, args: unpickled.append(args[1])
                      if event == "pickle.find_class" else None)
@@ -594,9 +653,11 @@ def _checkpoint_rank(rank: int, world_size: int, save_then_load: Callable,
         save_then_load(model, rank, path)
     finally:
         torch.save = torch.serialization.save = real_save
+        torch.load = torch.serialization.load = real_load
+        restore()
         (flags / f"done{rank}").touch()
     return (before, [p.detach().clone() for p in model.parameters()], bool(unpickled),
-            any(wrote))
+            any(wrote), any(loaded))
 
 
 def check_save_then_load(save_then_load: Callable) -> None:
@@ -640,7 +701,7 @@ def check_save_then_load(save_then_load: Callable) -> None:
         setting = f"{world_size} ranks, rank {late} arriving late"
         starts = [r[0] for r in ranks]
         writers = [q for q, r in enumerate(ranks) if r[3]]
-        for rank, (_, after, unpickled, _) in enumerate(ranks):
+        for rank, (_, after, unpickled, _, _) in enumerate(ranks):
             if unpickled:
                 fail(ex, "torch.load(..., weights_only=True)",
                      f"the full unpickler on rank {rank} (weights_only=False)",
@@ -668,6 +729,13 @@ def check_save_then_load(save_then_load: Callable) -> None:
                      f"{writers} wrote as well as rank 0", one_writer)
             fail(ex, f"every rank to end with rank 0's weights ({setting})",
                  f"other weights on rank {rank}", wait_hint)
+        for rank, r in enumerate(ranks):
+            if written and not r[4]:
+                fail(ex, f"every rank to load the checkpoint, rank 0 included "
+                     f"({setting})", f"rank {rank} never loaded it (torch.load)",
+                     "every rank loads the file it will train from: "
+                     "model.load_state_dict(torch.load(path, ...)) after the wait, "
+                     "outside the `if rank == 0:`")
         if not written:
             fail(ex, f"the checkpoint file at `path` afterwards ({setting})",
                  "no file there", "torch.save(model.state_dict(), path) on rank 0")
