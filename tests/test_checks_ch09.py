@@ -387,6 +387,26 @@ class IntoTheShards(torch.autograd.Function):
         return g @ w, ws / n, bs / n, None, None
 
 
+STASH: dict = {}
+
+
+class StashesWeightGlobally(torch.autograd.Function):
+    """Keeps the gathered weight in a module-level dict, out of ctx's sight."""
+
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        w = gather(ws, (out_f, in_f))
+        STASH[id(ctx)] = w
+        return F.linear(x, w, gather(bs, (out_f,)))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ws, bs = ctx.saved_tensors
+        return (g @ STASH.pop(id(ctx)), scatter_mean(g.T @ x, ws),
+                scatter_mean(g.sum(0), bs), None, None)
+
+
 class Placeholder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ws, bs, out_f, in_f):
@@ -417,6 +437,8 @@ WRONG_LINEAR = [  # (answer, words its message must contain)
     (NoBias, ["the bias is missing"]),
     (BiasTwice, ["instead of"]),
     (IntoTheShards, ["inputs left as they were", "the weight shard"]),
+    (StashesWeightGlobally, ["the gathered weight (outside ctx)",
+                             "keep only x and the shards"]),
 ]
 
 

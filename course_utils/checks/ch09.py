@@ -17,13 +17,17 @@ checkpoint it is given is watched for any change.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import time
 import warnings
+import weakref
 from datetime import timedelta
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import (
@@ -113,6 +117,47 @@ def _kept_for_backward(y, known: dict[str, torch.Tensor], own) -> list[tuple]:
     return kept
 
 
+class _Made(TorchDispatchMode):
+    """Every tensor the ops inside it return, held weakly: what is still
+    alive afterwards was kept by someone (ctx, a global, a class attribute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [weakref.ref(t) for t in tree_leaves(out)
+                      if isinstance(t, torch.Tensor)]
+        return out
+
+
+def _still_alive(made: _Made, y, known: dict, found: list) -> list[tuple]:
+    """Tensors made in forward and alive after it, besides the output and
+    what ``found`` already names, as ``(what, bytes)``."""
+    def alive():
+        out_ptr = y.untyped_storage().data_ptr() if isinstance(y, torch.Tensor) \
+            else None
+        return [t for t in (r() for r in made.made) if t is not None
+                and t.untyped_storage().data_ptr() != out_ptr]
+
+    if not alive():
+        return []
+    gc.collect()  # a reference cycle is not a keeper
+    by_storage: dict = {}  # a buffer and the views of it kept with it
+    for t in alive():
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    kept = []
+    for views in by_storage.values():
+        nbytes = views[0].untyped_storage().nbytes()
+        what = next((name for t in views for name, k in known.items()
+                     if t.shape == k.shape and torch.equal(t.detach(), k.detach())),
+                    f"a tensor of shape {tuple(views[0].shape)}")
+        if nbytes and what not in (w for w, _ in found):
+            kept.append((what + " (outside ctx)", nbytes))
+    return kept
+
+
 def _linear_cases(fn, rank: int, n: int) -> list[dict]:
     """Every case of 9.1 for one class, on this rank of an n-rank group."""
     results = []
@@ -123,12 +168,16 @@ def _linear_cases(fn, rank: int, n: int) -> list[dict]:
         x = x.requires_grad_()
         given = {"x": x.detach().clone(), "the weight shard": ws.detach().clone(),
                  "the bias shard": bs.detach().clone()}
-        y = fn.apply(x, ws, bs, out_f, in_f)
+        with _Made() as made:
+            y = fn.apply(x, ws, bs, out_f, in_f)
         known = {"x": x, "shard": ws, "bias shard": bs, "the gathered weight": w,
                  "the gathered bias": b,
                  "the output": y if isinstance(y, torch.Tensor) else x}
-        kept = [k for k in _kept_for_backward(y, known, (x, ws, bs))  # copies of
-                if k[0] not in ("x", "shard", "bias shard")]  # x, shards: fine
+        kept = _kept_for_backward(y, known, (x, ws, bs))
+        kept += _still_alive(made, y, known, kept)
+        kept = [k for k in kept if k[0].removesuffix(" (outside ctx)") not in (
+            "x", "shard", "bias shard")]  # copies of x and the shards: fine
+        del made
         if isinstance(y, torch.Tensor) and y.requires_grad:
             (y * c).sum().backward()
         results.append({
