@@ -1180,11 +1180,10 @@ check_run_epoch(run_epoch)
 # torch.cuda.synchronize)`.
 #
 # The checker runs pipelines of 2, 3 and 4 stages on a stand-in device whose
-# worker thread stamps the events, with stage costs it picks and changes
-# between calls, and one round slower than the rest, as a busy device has. It
-# names the mistakes: a stage timed from the start of the round, milliseconds
-# returned as seconds, a total over rounds, no warm-up round, a mean, a wait at
-# every boundary, and events read too early.
+# worker thread stamps the events, with stage costs that change between calls
+# and one slow round. It names the mistakes: a stage timed from the round's
+# start, milliseconds as seconds, a total over rounds, no warm-up, a mean, a
+# wait at every boundary, and events read too early.
 
 # %% tags=["exercise"] exercise="2.3"
 def time_with_events(stages, new_event, sync, rounds=5):

@@ -1024,10 +1024,11 @@ check_two_stage_step(two_stage_step)
 # Write `one_f_one_b(p, m)`: for each of the `p` stages, the list of the
 # operations it runs, in order, as `("F", i)` and `("B", i)` for micro-batch
 # `i`, as fast as GPipe but holding at most `p - s` micro-batches (forwarded,
-# not yet backwarded) on stage `s`. Predict first how many stage 0 holds with
-# 3 stages. The checker runs your lists on a simulator (one time unit per
-# operation, each waiting for its input) for several `p` and `m`, then on 3
-# real processes that count what each stage holds.
+# not yet backwarded) on stage `s`. Write the rule yourself: an order made by
+# section 3's `one_f_one_b_policy` is refused. The checker runs your lists on a
+# simulator (one time unit per operation, each waiting for its input) for
+# several `p` and `m`, then on 3 real processes that count what each stage
+# holds.
 
 # %% tags=["exercise"] exercise="7.2"
 def one_f_one_b(p, m):

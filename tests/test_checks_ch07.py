@@ -1031,3 +1031,21 @@ def test_more_wrong_splits_fail(monkeypatch):
     fails(ch07.check_split_stages, halving, "slowest stage costing")
     fails(ch07.check_split_stages, first_answer_kept, "no state")
     fails(ch07.check_split_stages, endless_stages, "more than")
+
+
+def test_an_order_from_the_chapters_policy_is_refused(monkeypatch):
+    import sys
+
+    def one_f_one_b_policy(op, rank, done, p, m, v):  # the chapter's, in __main__
+        return True
+
+    monkeypatch.setattr(sys.modules["__main__"], "one_f_one_b_policy",
+                        one_f_one_b_policy, raising=False)
+
+    def through_the_chapter(p, m):
+        one_f_one_b_policy(None, 0, set(), p, m, 1)
+        return one_f_one_b_slots(p, m)
+
+    fails(ch07.check_one_f_one_b, through_the_chapter, "write yourself",
+          "one_f_one_b_policy")
+    ch07.check_one_f_one_b(one_f_one_b_slots)  # the same order, written anew

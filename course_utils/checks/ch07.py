@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import sys
 import threading
 from collections.abc import Callable
 
@@ -478,10 +479,40 @@ def _one_process_grads(p: int, m: int):
     return [q.grad for q in model.parameters()]
 
 
+def _calls_chapter_policy(ex: str, fn: Callable, p: int, m: int) -> bool:
+    """Whether ``fn(p, m)`` runs the chapter's own ``one_f_one_b_policy`` (the
+    simulator of section 3 that writes the order for it)."""
+    policy = getattr(sys.modules.get("__main__"), "one_f_one_b_policy", None)
+    code = getattr(policy, "__code__", None)
+    if code is None:
+        return False
+    hits: list[bool] = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            hits.append(True)
+
+    def watched(*args):
+        sys.setprofile(watch)
+        try:
+            return fn(*args)
+        finally:
+            sys.setprofile(None)
+
+    watched.__name__ = getattr(fn, "__name__", "one_f_one_b")
+    _guarded(ex, watched, lambda order: order, p, m)
+    return bool(hits)
+
+
 def check_one_f_one_b(one_f_one_b: Callable) -> None:
     """Exercise 7.2: 1F1B orders, simulated, then run on 3 real processes."""
     ex = "7.2"
     require_solution(ex, one_f_one_b)
+    if _calls_chapter_policy(ex, one_f_one_b, 4, 6):
+        fail(ex, "a 1F1B order you write yourself",
+             "the order of section 3's one_f_one_b_policy, run through its simulator",
+             "write the rule for each stage: its warm-up forwards, then one backward "
+             "and one forward in turn, then the remaining backwards")
     orders = {}
     for p, m in [*_schedule_cases(), SCHEDULE_CASES[1]]:  # the second case again
         order = _validate(ex, one_f_one_b, p, m)
