@@ -26,6 +26,9 @@
 # - Tensor parallelism for decode: Chapter 10's Megatron split on 2 and 4
 #   ranks, equal to one process token for token, with its all-reduces per
 #   layer and token counted.
+# - Serving layouts: replicas, attention data-parallel with experts sharded
+#   and a per-step `all_to_all_single` dispatch (DeepSeek-V3's layout,
+#   published), pipelines, and prefill/decode disaggregation.
 # - Speculative decoding: a small draft model guesses, the large one checks
 #   several tokens in one pass; the same tokens as plain greedy decoding,
 #   with the acceptance and speed-up measured.
@@ -471,6 +474,114 @@ print(f"[{nv.label}]\n[{pcie.label}]")
 # parallelism inside a node and replicate across nodes.
 
 # %% [markdown]
+# ## 4. Data and expert parallelism for serving
+#
+# **Replicas behind one queue.** The simplest way to serve more requests
+# is more copies of the model, each taking the next request from a shared
+# queue: throughput grows with the replicas, and the time per token stays
+# that of one replica. No collective runs between them, so replicas go
+# across nodes freely.
+#
+# **Attention data-parallel, experts sharded.** A mixture of experts has
+# far more weights in its experts than in its attention, and each token
+# uses only a few experts. DeepSeek-V3 serves with each GPU group running
+# attention for its own requests (data parallelism, with their KV cache
+# kept there), and the experts spread one or a few per GPU over the whole
+# unit (expert parallelism). Every decode step, every MoE layer sends each
+# token to the GPU of its expert and back: two all-to-alls per layer and
+# step. Its published layouts:
+
+# %%
+for key in ("deepseek_v3_2024.serving_prefill_unit",
+            "deepseek_v3_2024.serving_decode_unit"):
+    f = reference.published(key)
+    print(f"{f.value}\n    [{f.label}]")
+
+# %% [markdown]
+# One MoE layer of one decode step, on 4 ranks: each rank holds its own
+# requests (a different number each, as in serving), 1 of the 4 experts,
+# and the router. Top-1 routing; the counts are exchanged first, then the
+# tokens, sorted by destination, with `all_to_all_single` (Chapter 11);
+# each rank runs its expert and sends the results back. Every rank also
+# computes the layer with all the experts, one process's answer.
+
+# %%
+def moe_decode_step(rank, world, n_experts=4, dim=16):
+    dev = rank_device(rank)
+    torch.manual_seed(0)  # every rank builds every expert alike, keeps its own
+    router = nn.Linear(dim, n_experts, bias=False).to(dev)
+    experts = [nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
+                             nn.Linear(2 * dim, dim)).to(dev) for _ in range(n_experts)]
+    per = n_experts // world
+    torch.manual_seed(1 + rank)  # each rank its own requests
+    x = torch.randn(3 + 2 * rank, dim, device=dev)
+    with torch.no_grad():
+        choice = router(x).argmax(-1)
+        order = choice.argsort()
+        send = torch.bincount(choice[order] // per, minlength=world)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        ins, outs = recv.tolist(), send.tolist()
+        tokens = x.new_empty(sum(ins), dim)
+        dist.all_to_all_single(tokens, x[order], ins, outs)
+        which = choice.new_empty(sum(ins))
+        dist.all_to_all_single(which, choice[order], ins, outs)
+        out = torch.zeros_like(tokens)
+        for e in range(rank * per, (rank + 1) * per):
+            out[which == e] = experts[e](tokens[which == e])
+        back = torch.empty_like(x)
+        dist.all_to_all_single(back, out, outs, ins)
+        y = torch.empty_like(x)
+        y[order] = back
+        one = torch.stack([experts[c](t) for t, c in zip(x, choice.tolist(),
+                                                         strict=True)])
+    return {"diff": (y - one).abs().max().item(), "sent": outs, "got": sum(ins)}
+
+
+for r, res in enumerate(launch(moe_decode_step, 4, timeout=120, echo=False)):
+    v = res.value
+    print(f"rank {r}: sent {v['sent']} tokens to ranks 0-3, ran its expert on "
+          f"{v['got']}; largest difference from one process {v['diff']:.1e}")
+
+# %% [markdown]
+# Each rank's expert works on tokens from every rank, so an expert sees a
+# batch of the whole unit: that is what makes a decode step's expert
+# matmuls large enough to use the GPU (DeepSeek-V3's decode unit spreads
+# them over 320 GPUs). The price is latency: two all-to-alls per layer,
+# across nodes, on the critical path of every token.
+#
+# ## 5. Pipelines and disaggregation
+#
+# **Pipeline parallelism for inference** splits the layers into stages
+# (Chapter 7) and keeps every stage busy with different micro-batches of
+# requests. There is no backward pass and so no bubble in steady state:
+# throughput grows with the stages. A single token still passes through
+# every stage in turn, so its latency does not fall; it rises by a send per
+# stage boundary. Pipelines serve a model too large for one node.
+#
+# **Prefill/decode disaggregation.** A long prefill in the same batch as
+# decode steps stalls every sequence's next token. Disaggregated serving
+# runs prefills on some GPUs and decodes on others, each with its own
+# parallelism, and moves each request's KV cache from one to the other
+# once, after its prefill. What that move costs, predicted, against the
+# prefill it follows (Llama 3 70B, a 4,096-token prompt, 8 GPUs):
+
+# %%
+pre = serving.prefill_seconds(l70, "h100_sxm", 4096, tp=8)
+print(f"prefill: {pre.value * 1e3:.0f} ms [{pre.label}]")
+for link in ("nvlink_h100", "ndr_infiniband"):
+    f = serving.kv_transfer_seconds(l70, 4096, link)
+    print(f"KV cache over {link}: {f.value * 1e3:.1f} ms [{f.label}]")
+f = reference.published("distserve_2024.more_requests_than_colocated")
+print(f"{f.value}{f.unit}: {f.measures}\n    [{f.label}]")
+
+# %% [markdown]
+# The transfer is paid once per request and costs a fraction of the
+# prefill; DistServe reports serving several times more requests within
+# both latency targets than colocated serving. DeepSeek-V3 serves the same
+# way: its prefill and decode units above are separate.
+
+# %% [markdown]
 # ## 6. Speculative decoding: parallelism over tokens
 #
 # A decode step of a large model costs about the same for 1 token as for
@@ -567,6 +678,10 @@ print(result)
 # - Tensor-parallel decode is the Megatron split of training: each rank
 #   its heads and its cache, two all-reduces per layer per token, equal to
 #   one process; their latency keeps it inside a node.
+# - Replicas and pipelines raise throughput, not a token's latency;
+#   serving a mixture of experts runs attention data-parallel and sends
+#   each token to its expert's GPU twice per layer and step;
+#   disaggregation moves each request's KV cache once, after its prefill.
 # - Speculative decoding checks several drafted tokens in one pass of the
 #   target, and makes exactly the target's greedy tokens.
 
@@ -749,4 +864,6 @@ check_serving_plan(serving_plan)
 # | tensor parallelism | 张量并行 |
 # | speculative decoding, draft model | 投机解码，草稿模型 |
 # | acceptance rate | 接受率 |
+# | expert parallelism, all-to-all | 专家并行，全对全 |
+# | prefill/decode disaggregation | 预填充/解码分离 |
 # | throughput / latency | 吞吐量 / 延迟 |
