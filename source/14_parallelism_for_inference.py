@@ -469,9 +469,9 @@ print(f"[{nv.label}]\n[{pcie.label}]")
 # all-reduces of fixed latency: the time per token falls less and less.
 # The step model for serving has no across-node link for these
 # all-reduces (every published decode run it was fitted on used NVLink):
-# across nodes each would cost a network round trip of several
-# microseconds more, 160 times per token. Serving stacks run tensor
-# parallelism inside a node and replicate across nodes.
+# across nodes each of the 160 per token would cross the network instead,
+# with its slower links and longer latency. Serving stacks keep tensor
+# parallelism inside a node and use other dimensions across nodes.
 
 # %% [markdown]
 # ## 4. Data and expert parallelism for serving
@@ -661,9 +661,10 @@ print(result)
 # protocol. The speed-up depends on two numbers: the acceptance rate, and
 # how little a verify pass of `k + 1` tokens costs over one token. A GPU
 # decoding a large model at small batch is memory-bound, so `k + 1` tokens
-# cost about one; on this CPU small matmuls also cost about the same for 1
-# and 5 rows. At a large batch the slack is gone (the step is already
-# compute-bound) and speculation helps less.
+# cost about one; whether a small model's pass costs about the same for 1
+# and 5 tokens on this CPU, the verdict above shows. At a large batch the
+# slack is gone (the step is already compute-bound) and speculation helps
+# less.
 
 # %% [markdown]
 # ## Summary
