@@ -278,12 +278,13 @@ def decode_crossover_batch(model: planner.Decoder, gpu: str, context: int = 0,
     if context < 0 or tp < 1:
         raise ValueError("context must be at least 0 and tp at least 1")
     lat = fitted_decode_latency()
-    for batch in range(1, 1 << 14):
-        memory, compute, _ = _decode_parts(model, gpu, batch, context, tp,
-                                           "nvlink_h100", lat)
-        if compute >= memory:
-            return batch
-    return 0
+    # both terms are linear in the batch: memory = a + b x batch, compute = c x batch
+    m0, _, _ = _decode_parts(model, gpu, 1, 0, tp, "nvlink_h100", lat)
+    m1, c1, _ = _decode_parts(model, gpu, 1, context, tp, "nvlink_h100", lat)
+    per_sequence = m1 - m0  # one sequence's KV cache read
+    if c1 <= per_sequence:
+        return 0
+    return max(1, math.ceil(m0 / (c1 - per_sequence) - 1e-9))
 
 
 def kv_transfer_seconds(model: planner.Decoder, prompt: int,
