@@ -165,6 +165,13 @@ def search_terms() -> dict[str, str]:
     return terms
 
 
+def _wait_for_all_results(page) -> None:
+    """Sphinx's search lists its results one by one, then says it finished."""
+    page.wait_for_function(
+        "() => { const s = document.querySelector('#search-results .search-summary');"
+        " return s && s.innerText.length > 0; }", timeout=30_000)
+
+
 def test_search_finds_each_chapter_by_a_word_from_its_body(page):
     _load(page, "index.html")
     # through the search box, as a reader does
@@ -175,11 +182,11 @@ def test_search_finds_each_chapter_by_a_word_from_its_body(page):
                        "#pst-search-dialog input").first
     box.fill(terms[first])
     box.press("Enter")
-    page.wait_for_selector("#search-results li", timeout=30_000)
+    _wait_for_all_results(page)
     assert f"{first}.html" in page.locator("#search-results").inner_html()
     for name, term in terms.items():
         page.goto(_url("search.html", f"?q={term}"), wait_until="load")
-        page.wait_for_selector("#search-results li", timeout=30_000)
+        _wait_for_all_results(page)
         found = page.eval_on_selector_all("#search-results li a",
                                           "els => els.map(e => e.href)")
         assert any(f"/{name}.html" in h for h in found), (
