@@ -660,7 +660,7 @@ PEER_GONE = ("closed by peer", "reset by peer", "Connection was likely closed",
              "Broken pipe", "DistNetworkError")
 
 
-def _peer_went_away(error: str) -> bool:
+def peer_went_away(error: str) -> bool:
     """Whether a rank failed only because another rank had gone."""
     return any(text in error for text in PEER_GONE)
 
@@ -749,7 +749,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), timeout: float = 60.
     if bad:
         # the cause, not a consequence: a rank whose peer died fails too, on a
         # closed connection, and may be noticed first
-        r = min(bad, key=lambda k: (_peer_went_away(bad[k]["error"]), k))
+        r = min(bad, key=lambda k: (peer_went_away(bad[k]["error"]), k))
         stopped = set(range(nprocs)) - set(results)
         tail = f" ({_ranks(stopped)} stopped)" if stopped else ""
         hint = ("\nhint: a forked rank cannot use CUDA once this process has "

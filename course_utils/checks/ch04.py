@@ -150,12 +150,36 @@ def pool_task(item):
     and whether it ran under multiprocessing.Pool or a ProcessPoolExecutor."""
     x, meet_dir, expected, delay = item
     if x == "boom":
+        _write(os.path.join(meet_dir, "boom_at"), repr(time.time()))
         raise ValueError("task failed on purpose")
     if x == "die":  # the worker dies without a word: only a timeout notices
         os._exit(3)
     met = _meet(meet_dir, expected)
-    time.sleep(delay)
+    if delay == HOLD:
+        _held(meet_dir)
+    else:
+        time.sleep(delay)
     return x * x, os.getpid(), met, _in_a_library_pool()
+
+
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _held(meet_dir: str) -> None:
+    """Wait while the checker holds the items after a failing one: until it has
+    looked for workers left running, or HOLD_S after the error at most (an
+    answer that lets every task finish before it raises then still returns)."""
+    while os.path.exists(os.path.join(meet_dir, "hold")):
+        try:
+            with open(os.path.join(meet_dir, "boom_at")) as f:
+                if time.time() > float(f.read()) + HOLD_S:
+                    return
+        except (OSError, ValueError):  # the failing task has not run yet
+            pass
+        time.sleep(0.02)
 
 
 MAP_CASES = [  # values, processes
@@ -165,7 +189,8 @@ MAP_CASES = [  # values, processes
     ([float(i) for i in range(-6, 6)], 2),
 ]
 SLOW_S = 1.0
-AFTER_ERROR_S = 1.0  # the items after a failing one: stray workers are still busy
+HOLD = "hold"  # the items after a failing one wait until the checker has looked
+HOLD_S = 5.0  # or this long after the error: stray workers are busy when it looks
 STRAY_WAIT_S = 0.5  # a terminated or joined worker is gone by then
 BIG_BYTES = 512 * 1024  # a result larger than a pipe's buffer (64 KiB on Linux)
 
@@ -272,19 +297,20 @@ def check_process_map(process_map) -> None:
     # a task that raises: the error reaches the caller, and nothing hangs; the
     # items after it are slow, so workers nobody stopped are still running
     meet_dir = tempfile.mkdtemp(prefix="ch04_meet_")
+    _write(os.path.join(meet_dir, "hold"), "")
     try:
-        items = [(v, meet_dir, 1, 0.0 if i < 2 else AFTER_ERROR_S)
+        items = [(v, meet_dir, 1, 0.0 if i < 2 else HOLD)
                  for i, v in enumerate((1.0, "boom", 3.0, 4.0, 5.0, 6.0))]
         status, got, _, _ = _guarded(ex, process_map, pool_task, items, 2)
-    finally:
+        if status != "error":
+            _no_orphans(ex, "a task that raises")
+            fail(ex, "an error raised in the caller when a task raises",
+                 f"it returned {got!r:.60}", "catch the exception in the worker, "
+                 "send it back with the item's index, and raise it in process_map")
+        _no_orphans(ex, "a task that raises (the workers still had slow items)",
+                    STRAY_WAIT_S)
+    finally:  # releases the held items of workers nobody stopped (now killed)
         shutil.rmtree(meet_dir, ignore_errors=True)
-    if status != "error":
-        _no_orphans(ex, "a task that raises")
-        fail(ex, "an error raised in the caller when a task raises",
-             f"it returned {got!r:.60}", "catch the exception in the worker, send "
-             "it back with the item's index, and raise it in process_map")
-    _no_orphans(ex, "a task that raises (the workers still had slow items)",
-                STRAY_WAIT_S)
     chain = [got, got.__cause__, None if got.__suppress_context__ else got.__context__]
     if not any(isinstance(e, ValueError) or "failed on purpose" in str(e)
                for e in chain if e is not None):

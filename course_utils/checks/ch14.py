@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_utils import planner, reference, serving
-from course_utils.dist import LaunchTimeout, RankFailed, launch
+from course_utils.dist import LaunchTimeout, RankFailed, launch, peer_went_away
 from course_utils.exercises import (
     call_learner,
     fail,
@@ -362,7 +362,9 @@ def judge_tp(ranks: list[list[dict]], cases=None) -> None:
                 if "took longer than" in r["error"]:
                     hint = ("your function did not return: look for a loop that "
                             "never ends")
-                if "closed by peer" in r["error"] or "Timed out" in r["error"]:
+                # the rank left in an extra collective is told, by timing, that
+                # the others timed out, closed or reset their connections
+                if peer_went_away(r["error"]) or "Timed out" in r["error"]:
                     hint = ("a rank waited in a collective that another never joined: "
                             "every rank runs the same all-reduces, in the same order")
                 fail(ex, f"tp_generate to run ({where})", f"rank {rank}: {r['error']}",
