@@ -234,6 +234,33 @@ class Comparison:
             sum(o.kept) < _enough(len(o.runs)) for o in self.options
         )
 
+    def on(self, values: Mapping[str, list[float]], tolerance: float = 0.05
+           ) -> Comparison:
+        """The same runs judged on another figure each of them measured.
+
+        Chapter 14. ``values[label][i]`` is what run ``i`` of that option
+        measured besides its time (its warm-up runs not counted): a latency
+        beside a throughput, say. Runs set aside stay set aside, and each
+        keeps its busy cores; the verdicts are drawn from the new figures."""
+        options = []
+        for o in self.options:
+            got = list(values[o.label])
+            if len(got) != len(o.runs):
+                raise ValueError(f"{o.label}: {len(got)} values for {len(o.runs)} "
+                                 "runs (one per timed run, in order)")
+            runs = [Run(v, r.cpu_s * v / r.wall_s if r.wall_s > 0 else 0.0,
+                        r.others_cores, r.ours_s, r.span_s, r.stall)
+                    for v, r in zip(got, o.runs, strict=True)]
+            options.append(Option(o.label, runs, list(o.kept), o.number))
+        outcomes, verdicts, ratios = {}, {}, {}
+        for other in options[1:]:
+            outcome, line, ratio = _judge(options[0], other, tolerance,
+                                          self.quiet_cores)
+            outcomes[other.label], verdicts[other.label] = outcome, line
+            ratios[other.label] = ratio
+        return Comparison(options, self.load_before, self.load_after, self.cores,
+                          outcomes, verdicts, ratios, self.quiet_cores)
+
     def __getitem__(self, label: str) -> Option:
         for o in self.options:
             if o.label == label:

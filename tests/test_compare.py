@@ -280,3 +280,32 @@ def test_cpu_pressure_is_read_where_the_kernel_has_it():
         assert READ_CPU_STALL() >= stall
     else:
         assert stall is None
+
+
+def test_the_same_runs_judged_on_another_figure(quiet_machine):
+    # two options whose times differ 2x, and whose latency, measured in the
+    # same runs, does not: each verdict is drawn from its own figures
+    result = compare({"one": sleeper(0.04, cpu_s=0.04),
+                      "two": sleeper(0.02, cpu_s=0.04)}, repeats=3, warmup=0)
+    assert result.outcome == "faster"
+    latency = result.on({"one": [0.010, 0.011, 0.010], "two": [0.010, 0.010, 0.011]},
+                        tolerance=0.2)
+    assert latency.outcome == "same"
+    assert latency["two"].median == pytest.approx(0.010)
+    # each run keeps its busy cores
+    assert latency["two"].busy_cores == pytest.approx(result["two"].busy_cores)
+    slower = result.on({"one": [0.01] * 3, "two": [0.03] * 3})
+    assert slower.outcome == "slower"
+    assert result.outcome == "faster"  # the original is unchanged
+    with pytest.raises(ValueError, match="one per timed run"):
+        result.on({"one": [0.01], "two": [0.01] * 3})
+
+
+def test_runs_set_aside_stay_set_aside_on_another_figure(monkeypatch):
+    monkeypatch.setattr(cmp, "_machine_busy_s", lambda: 2.0 * time.perf_counter())
+    monkeypatch.setattr(cmp, "_load", lambda: 2.0)
+    result = compare({"a": sleeper(0.02), "b": sleeper(0.01)}, repeats=3)
+    assert result.outcome == "disturbed"
+    again = result.on({"a": [0.03] * 3, "b": [0.01] * 3})
+    assert again.outcome == "disturbed"
+    assert "run again" in again.verdict
