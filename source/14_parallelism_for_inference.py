@@ -40,6 +40,7 @@
 # (`course_utils.serving`), calibrated on published decode and prefill runs.
 
 # %%
+import itertools
 import math
 import time
 import warnings
@@ -64,7 +65,8 @@ from course_utils.checks.ch14 import (
     check_serving_plan,
     check_tp_generate,
 )
-from course_utils.compare import compare
+from course_utils.cleanup import scratch_folder, tidy_up
+from course_utils.compare import compare, usable_cores
 from course_utils.dist import launch
 
 banner()
@@ -482,6 +484,79 @@ print(f"[{nv.label}]\n[{pcie.label}]")
 # that of one replica. No collective runs between them, so replicas go
 # across nodes freely.
 #
+# Measured here: a small GPT served to 12 requests (prompts of 16 tokens,
+# 6 to 16 new tokens each), all waiting at once, by 1 replica and by one per
+# core. Each replica is a process with its own copy of the model; a counter
+# that every replica can increment (`dist.FileStore.add`, atomic) is the
+# queue: a free replica takes the next request. No collective joins them.
+
+# %%
+def replica(rank, world, queue_file, requests):
+    """One copy of the model: serve the next request until none is left."""
+    dev = rank_device(rank)
+    torch.manual_seed(0)  # every replica the same weights
+    model = GPT(dim=256, n_heads=8, n_layers=4).to(dev).eval()
+    queue = dist.FileStore(queue_file, world)  # shared by every replica
+    generate(model, requests[0][0].to(dev), 2)  # warm-up
+    dist.barrier()  # they start serving at once
+    start, cpu, served = time.perf_counter(), time.process_time(), []
+    while (i := queue.add("next", 1) - 1) < len(requests):
+        prompt, steps = requests[i]
+        t0 = time.perf_counter()
+        tokens = generate(model, prompt.to(dev), steps)[0].cpu()  # waits for a GPU
+        done = time.perf_counter()
+        served.append({"request": i, "done_s": done - start, "tokens": tokens,
+                       "per_token_s": (done - t0) / steps})
+    return {"served": served, "span_s": time.perf_counter() - start,
+            "cpu_s": time.process_time() - cpu, "all_cpu_s": time.process_time()}
+
+
+torch.manual_seed(2)
+requests = [(torch.randint(0, 64, (1, 16)), int(s))
+            for s in torch.randint(6, 17, (12,))]
+total_tokens = sum(steps for _, steps in requests)
+queues, served = scratch_folder("ch14-queue-"), {}
+
+
+def serve(n):
+    def run():
+        path = str(queues / f"{n}-{len(served.get(n, []))}")
+        out = [r.value for r in launch(replica, n, args=(path, requests),
+                                       timeout=120, echo=False)]
+        served.setdefault(n, []).append(out)
+        span = max(v["span_s"] for v in out)  # until the last request was done
+        return {"wall_s": span / total_tokens,
+                "cpu_s": sum(v["cpu_s"] for v in out) / total_tokens,
+                "all_cpu_s": sum(v["all_cpu_s"] for v in out)}
+    return run
+
+
+counts = sorted({1, min(usable_cores(), 4)})
+names = {n: f"{n} replica{'s' * (n > 1)}" for n in counts}
+throughput = compare({names[n]: serve(n) for n in counts}, repeats=3, warmup=0)
+print(f"time per generated token, {total_tokens} tokens (1 / throughput):")
+print(throughput)
+per_token = throughput.on({names[n]: [sorted(s["per_token_s"] for v in run
+                                             for s in v["served"])[len(requests) // 2]
+                                      for run in served[n]] for n in counts})
+print("a request's own time per token (its latency, median of the requests):")
+print(per_token)
+one = {s["request"]: s["tokens"] for v in served[1][0] for s in v["served"]}
+same = all(torch.equal(one[s["request"]], s["tokens"])
+           for n in counts for run in served[n] for v in run for s in v["served"])
+print(f"every request's tokens equal to one replica's: {same}")
+
+
+# %% [markdown]
+# Two verdicts from the same runs. The first is throughput: on a quiet
+# machine, with a replica per core, the requests are served in about 1/n
+# of the time. The second is each request's own time per token, which
+# more replicas do not shorten: the gain comes from serving requests side
+# by side, not from serving any one faster (on a CPU, replicas sharing
+# caches and memory bandwidth may even make it a little longer). To cut
+# the time per token, split each request's work instead: tensor
+# parallelism, above.
+#
 # **Attention data-parallel, experts sharded.** A mixture of experts has
 # far more weights in its experts than in its attention, and each token
 # uses only a few experts. DeepSeek-V3 serves with each GPU group running
@@ -558,6 +633,106 @@ for r, res in enumerate(launch(moe_decode_step, 4, timeout=120, echo=False)):
 # throughput grows with the stages. A single token still passes through
 # every stage in turn, so its latency does not fall; it rises by a send per
 # stage boundary. Pipelines serve a model too large for one node.
+#
+# Measured here: a GPT of 4 layers (width 768) cut into 2 stages of 2
+# layers, one per rank. One process decodes one micro-batch of 2 requests
+# through all 4 layers; the pipeline decodes two micro-batches, each stage
+# working on one while the other stage works on the other. The last stage
+# sends each new token back to the first, for the next step (`isend`: no
+# rank waits for its own send to be received, so the two directions cannot
+# block each other).
+
+# %%
+def pipelined_decode(rank, world, n_micro, steps, batch=2, prompt_len=16, dim=768):
+    """Decode n_micro micro-batches of requests through `world` stages."""
+    dev = rank_device(rank)
+    torch.manual_seed(0)  # every rank builds the same model, keeps its stage
+    model = GPT(dim=dim, n_heads=8, n_layers=4).to(dev).eval()
+    per = len(model.layers) // world
+    stage = model.layers[rank * per:(rank + 1) * per]
+    first, last = rank == 0, rank == world - 1
+    torch.manual_seed(3)
+    tokens = [torch.randint(0, 64, (batch, prompt_len)).to(dev) for _ in range(n_micro)]
+    caches = [[{} for _ in stage] for _ in range(n_micro)]
+    out, arrived, sends = [[] for _ in range(n_micro)], [], []
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        for step in range(steps):
+            s = prompt_len if step == 0 else 1  # the prefill, then one token
+            for m in range(n_micro):
+                if first:
+                    if step > 0 and world > 1:  # the token the last stage chose
+                        tokens[m] = torch.empty(batch, 1, dtype=torch.long, device=dev)
+                        dist.recv(tokens[m], src=world - 1)
+                    x = model.embed(tokens[m])
+                else:
+                    x = torch.empty(batch, s, dim, device=dev)
+                    dist.recv(x, src=rank - 1)
+                for layer, cache in zip(stage, caches[m], strict=True):
+                    x = layer(x, cache)
+                if not last:
+                    sends.append(dist.isend(x, dst=rank + 1))
+                    continue
+                nxt = model.head(model.norm(x))[:, -1].argmax(-1, keepdim=True)
+                out[m].append(nxt.cpu())  # .cpu() waits for a GPU
+                if m == 0:
+                    arrived.append(time.perf_counter())
+                if world == 1:
+                    tokens[m] = nxt
+                elif step < steps - 1:
+                    sends.append(dist.isend(nxt, dst=0))
+    for handle in sends:
+        handle.wait()
+    gaps = sorted(b - a for a, b in itertools.pairwise(arrived))
+    return {"span_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
+            "all_cpu_s": time.process_time(),
+            "tokens": [torch.cat(t, 1) for t in out] if last else None,
+            "gap_s": gaps[len(gaps) // 2] if last else None}
+
+
+steps, pipe_runs = 32, {}
+
+
+def pipeline(world, n_micro):
+    def run():
+        out = [r.value for r in launch(pipelined_decode, world, args=(n_micro, steps),
+                                       timeout=120, echo=False)]
+        pipe_runs.setdefault(world, []).append(out)
+        made = 2 * n_micro * steps  # tokens generated, all micro-batches
+        return {"wall_s": max(v["span_s"] for v in out) / made,
+                "cpu_s": sum(v["cpu_s"] for v in out) / made,
+                "all_cpu_s": sum(v["all_cpu_s"] for v in out)}
+    return run
+
+
+layouts = {"1 process, 1 micro-batch": (1, 1), "2 stages, 2 micro-batches": (2, 2)}
+piped = compare({k: pipeline(*v) for k, v in layouts.items()}, repeats=3, warmup=0)
+print("time per generated token, all micro-batches (1 / throughput):")
+print(piped)
+print("time between two tokens of the same micro-batch (its latency):")
+print(piped.on({k: [run[-1]["gap_s"] for run in pipe_runs[w]]
+                for k, (w, _) in layouts.items()}))
+torch.manual_seed(0)
+whole = GPT(dim=768, n_heads=8, n_layers=4).eval()
+torch.manual_seed(3)
+alone = [generate(whole, torch.randint(0, 64, (2, 16)), steps)[0] for _ in range(2)]
+print("every micro-batch's tokens equal to one process's:",
+      all(torch.equal(got, want) for runs in pipe_runs.values() for run in runs
+          for got, want in zip(run[-1]["tokens"], alone, strict=False)))
+
+
+# %% [markdown]
+# With a micro-batch per stage, both stages work at once: on a quiet
+# machine the tokens per second rise (the first verdict), by less than 2x,
+# as the two ranks spend more CPU seconds per token than one process (on
+# their sends and receives, and sharing this machine's caches). A
+# micro-batch's own time between tokens does not fall (the second): each
+# of its tokens still passes through all 4 layers, one stage after the
+# other, crosses the boundary twice, and waits while a stage finishes the
+# other micro-batch. With a single micro-batch the stages would only take
+# turns. Pipelines serve a model too large for one node, or many requests
+# at once; they do not make any one request faster.
 #
 # **Prefill/decode disaggregation.** A long prefill in the same batch as
 # decode steps stalls every sequence's next token. Disaggregated serving
@@ -868,3 +1043,6 @@ check_serving_plan(serving_plan)
 # | expert parallelism, all-to-all | 专家并行，全对全 |
 # | prefill/decode disaggregation | 预填充/解码分离 |
 # | throughput / latency | 吞吐量 / 延迟 |
+
+# %%
+tidy_up()  # the last cell: the chapter's temporary folder goes
