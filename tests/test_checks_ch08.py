@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import pathlib
+import shutil
 import tempfile
 import uuid
 
@@ -569,14 +570,15 @@ def _offload(pack_kind="file", unpack_kind="delete", names="unique", keep=False,
     return offloaded
 
 
-def test_wrong_offloads_fail():
+def test_wrong_offloads_fail(request):
     def hooks_around_nothing(fn, x, folder):
         out = fn(x)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             pass
         return out
 
-    elsewhere = tempfile.TemporaryDirectory()  # removed at the end of the test
+    elsewhere = tempfile.TemporaryDirectory()
+    request.addfinalizer(elsewhere.cleanup)  # with the files left in it
 
     def own_temp_dir(fn, x, folder):
         return offload_uuid(fn, x, elsewhere.name)
@@ -1018,6 +1020,21 @@ def offload_pickle(fn, x, folder):  # pickle instead of torch.save
         return fn(x)
 
 
+_OWN_FOLDERS = []  # made by wrong answers that save elsewhere; removed after each test
+
+
+def _folder_of_its_own():
+    _OWN_FOLDERS.append(tempfile.mkdtemp(prefix="ch08_wrong_"))
+    return _OWN_FOLDERS[-1]
+
+
+@pytest.fixture(autouse=True)
+def _remove_own_folders():
+    yield
+    while _OWN_FOLDERS:
+        shutil.rmtree(_OWN_FOLDERS.pop(), ignore_errors=True)
+
+
 def _offload_named(name_of, keep=False, save=lambda t: t, folder_of=None):
     def offloaded(fn, x, folder):
         kept = {}
@@ -1060,7 +1077,7 @@ def test_more_right_offloads_pass(fn):
     (_offload_named(lambda t: uuid.uuid4().hex,
                     save=lambda t: t.half() if t.is_floating_point() else t),
      ["on disk", "smaller copy"]),
-    (_offload_named(lambda t: uuid.uuid4().hex, folder_of=tempfile.mkdtemp),
+    (_offload_named(lambda t: uuid.uuid4().hex, folder_of=_folder_of_its_own),
      ["an empty folder", "folder you are given"]),
 ])
 def test_more_wrong_offloads_fail(fn, words):
