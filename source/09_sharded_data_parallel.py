@@ -656,7 +656,7 @@ def options_rank(rank, world_size):
     def run(model, opt, steps=3):
         losses, first = [], {}
         for _ in range(steps):
-            loss = nn.functional.mse_loss(model(x), y)
+            loss = nn.functional.mse_loss(model(x).float(), y)  # the loss in fp32
             loss.backward()
             first = first or {"grads": [p.grad.full_tensor().cpu()
                                         for p in model.parameters()]}
