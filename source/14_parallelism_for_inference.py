@@ -33,9 +33,11 @@
 #   several tokens in one pass; the same tokens as plain greedy decoding,
 #   with the acceptance and speed-up measured.
 #
-# **Hardware.** Every rank is a real process joined by `gloo` on the CPU
-# (or `nccl` with one GPU per rank when there are enough GPUs): tokens,
-# logits and collectives below are measured. What a served model does on
+# **Hardware.** Every rank is a real process joined by `gloo` on the CPU,
+# or by `nccl` with one GPU per rank when there are at least as many GPUs
+# as ranks (on one GPU or two T4s, the 4-rank launches run on `gloo`; the
+# decode pipeline runs on `gloo` everywhere). Tokens, logits and
+# collectives below are measured. What a served model does on
 # an H100 is a labelled prediction of the course's step model for serving
 # (`course_utils.serving`), calibrated on published decode and prefill runs.
 
@@ -67,7 +69,7 @@ from course_utils.checks.ch14 import (
 )
 from course_utils.cleanup import scratch_folder, tidy_up
 from course_utils.compare import compare, usable_cores
-from course_utils.dist import launch
+from course_utils.dist import choose_backend, launch
 
 banner()
 device = try_gpu()
@@ -219,8 +221,9 @@ for b in (1, 4, 16, 64):
 # Read the columns down. A decode step costs much less than `b` times the
 # step at batch 1: the weights are read once per step whatever the batch,
 # so the time per token falls as the batch grows. The prefill's time per
-# token is far below the decode's: its matmuls have many rows. On this
-# CPU the cost of launching each operator also counts at small batches.
+# token is far below the decode's: its matmuls have many rows. On a CPU,
+# and for a model this small on a GPU, the cost of launching each operator
+# also counts at small batches.
 #
 # On a GPU the same arithmetic, with the step model for serving
 # (`serving.decode_seconds`: the larger of bytes read over the achieved
@@ -522,7 +525,7 @@ def serve(n):
     def run():
         path = str(queues / f"{n}-{len(served.get(n, []))}")
         out = [r.value for r in launch(replica, n, args=(path, requests),
-                                       timeout=120, echo=False)]
+                                       backend=backend, timeout=120, echo=False)]
         served.setdefault(n, []).append(out)
         span = max(v["span_s"] for v in out)  # until the last request was done
         return {"wall_s": span / total_tokens,
@@ -532,6 +535,7 @@ def serve(n):
 
 
 counts = sorted({1, min(usable_cores(), 4)})
+backend = choose_backend(max(counts))  # both sides on GPUs, or both on CPUs
 names = {n: f"{n} replica{'s' * (n > 1)}" for n in counts}
 throughput = compare({names[n]: serve(n) for n in counts}, repeats=3, warmup=0)
 print(f"time per generated token, {total_tokens} tokens (1 / throughput):")
@@ -634,13 +638,15 @@ for r, res in enumerate(launch(moe_decode_step, 4, timeout=120, echo=False)):
 # every stage in turn, so its latency does not fall; it rises by a send per
 # stage boundary. Pipelines serve a model too large for one node.
 #
-# Measured here: a GPT of 4 layers (width 768) cut into 2 stages of 2
-# layers, one per rank. One process decodes one micro-batch of 2 requests
-# through all 4 layers; the pipeline decodes two micro-batches, each stage
-# working on one while the other stage works on the other. The last stage
-# sends each new token back to the first, for the next step (`isend`: no
-# rank waits for its own send to be received, so the two directions cannot
-# block each other).
+# Measured here, on CPU ranks: a GPT of 4 layers (width 768) cut into 2
+# stages of 2 layers, one per rank. One process decodes one micro-batch of
+# 2 requests through all 4 layers; the pipeline decodes two micro-batches,
+# each stage working on one while the other stage works on the other. The
+# last stage sends each new token back to the first, for the next step.
+# Every send is an `isend`, so no rank waits for its own send to be
+# received and the two directions cannot block each other on gloo (under
+# nccl a stage would post each send with its next receive in one
+# `batch_isend_irecv`, as Chapter 7's stages do).
 
 # %%
 def pipelined_decode(rank, world, n_micro, steps, batch=2, prompt_len=16, dim=768):
@@ -697,7 +703,7 @@ steps, pipe_runs = 32, {}
 def pipeline(world, n_micro):
     def run():
         out = [r.value for r in launch(pipelined_decode, world, args=(n_micro, steps),
-                                       timeout=120, echo=False)]
+                                       backend="gloo", timeout=120, echo=False)]
         pipe_runs.setdefault(world, []).append(out)
         made = 2 * n_micro * steps  # tokens generated, all micro-batches
         return {"wall_s": max(v["span_s"] for v in out) / made,
@@ -837,7 +843,7 @@ print(result)
 # how little a verify pass of `k + 1` tokens costs over one token. A GPU
 # decoding a large model at small batch is memory-bound, so `k + 1` tokens
 # cost about one; whether a small model's pass costs about the same for 1
-# and 5 tokens on this CPU, the verdict above shows. At a large batch the
+# and 5 tokens on this machine, the verdict above shows. At a large batch the
 # slack is gone (the step is already compute-bound) and speculation helps
 # less.
 
