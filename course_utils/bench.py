@@ -7,6 +7,7 @@ the launch, not the work, unless it waits for the device first.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -107,6 +108,9 @@ def _fmt_s(s: float) -> str:
     return f"{s / 1e-9:.3g} ns"
 
 
+MIN_RUNS = 5  # runs a timing needs for its median and quartiles to mean much
+
+
 def bench(
     fn: Callable,
     *args,
@@ -136,6 +140,14 @@ def bench(
         label=label or getattr(fn, "__name__", "fn"),
     )
     m = timer.blocked_autorange(min_run_time=min_run_time)
+    if len(m.times) < MIN_RUNS and m.number_per_run > 1:
+        # it grows a block tenfold until the timer's overhead is 1e-4 of it,
+        # so a block can take most of min_run_time (10 or 100 calls of a
+        # 10 ms sleep, as the overhead it measured varies): time MIN_RUNS
+        # smaller blocks instead, each still long against the overhead
+        number = max(1, int(min_run_time / MIN_RUNS / statistics.median(m.times)))
+        m = tub.Measurement(number, [timer.timeit(number).raw_times[0]
+                                     for _ in range(MIN_RUNS)], m.task_spec)
     return Timing(
         label=label or getattr(fn, "__name__", "fn"),
         median=m.median,

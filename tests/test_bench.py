@@ -4,8 +4,10 @@ import time
 
 import pytest
 import torch
+import torch.utils.benchmark as tub
 
 from course_utils import Benchmark, Timing, bench, sweep
+from course_utils.bench import MIN_RUNS
 
 
 def test_benchmark_measures_a_known_duration(capsys):
@@ -102,3 +104,21 @@ def test_sweep_progress_is_plain_text_ending_in_a_summary(capsys):
     assert "\rprobe: size 2 of 2 (2,000)" in out
     last = out.split("\r")[-1]  # what a notebook keeps of the line
     assert last.startswith("probe: 2 sizes measured in ") and last.endswith("\n")
+
+
+def test_bench_times_smaller_blocks_when_autorange_made_too_few(monkeypatch):
+    # blocked_autorange grows its block tenfold while the timer's overhead is
+    # above 1e-4 of it: a block of 100 sleeps of 2 ms fills the whole run
+    real = tub.Timer.blocked_autorange
+
+    def one_big_block(self, min_run_time=0.2, callback=None):
+        m = self.timeit(100)
+        return tub.Measurement(100, m.raw_times, m.task_spec)
+
+    monkeypatch.setattr(tub.Timer, "blocked_autorange", one_big_block)
+    t = bench(time.sleep, 0.002, min_run_time=0.05)
+    assert len(t.times) == MIN_RUNS and 1 <= t.number_per_run < 100
+    assert 0.0018 < t.median < 0.01
+    monkeypatch.setattr(tub.Timer, "blocked_autorange", real)
+    slow = bench(time.sleep, 0.03, min_run_time=0.02)  # one call per run: kept
+    assert slow.number_per_run == 1 and len(slow.times) >= 1
