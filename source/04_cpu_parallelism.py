@@ -50,8 +50,8 @@ import torch
 from course_utils import banner, reference
 from course_utils.bench import format_seconds
 from course_utils.checks.ch04 import (
+    check_busy_cores,
     check_parallel_apply_,
-    check_predict_busy_cores,
     check_process_map,
 )
 from course_utils.cleanup import scratch_folder, tidy_up
@@ -788,29 +788,35 @@ def parallel_apply_(t, processes, fn):
 check_parallel_apply_(parallel_apply_)
 
 # %% [markdown]
-# ### Exercise 4.3: predict the busy cores, then run
+# ### Exercise 4.3: a busy-cores meter
 #
-# Write `predict_busy_cores(cores)`: for a machine with `cores` cores and
-# nothing else running, a dict giving, for each setup below, how many cores
-# it keeps busy on average (CPU seconds / wall seconds) while it runs:
-# `"python loop, 2 threads"`, `"torch matmul, 2 threads (1 torch thread
-# each)"`, `"sleep, 2 threads"`, `"python loop, 2 processes"` and `"torch
-# matmul, 2 processes x 4 torch threads"`. The checker then runs three of
-# them here and prints your predictions beside the measurement.
+# Every busy-cores figure in this chapter came from a meter. Write the small
+# core of one: `busy_cores(fn)` calls `fn()` once and returns how many cores
+# it kept busy on average while it ran, as a float: the CPU seconds this
+# process used meanwhile (all its threads) plus those of the child processes
+# it started and waited for, divided by the wall seconds of the call. Read
+# the clocks just before and just after this call, keeping nothing from one
+# call to the next. If `fn` raises, let its exception reach the caller. The
+# checker gives your meter setups of its own (threads under the GIL, torch
+# threads, sleeps, two processes) and compares with clocks it reads around
+# `fn`; a setup whose answer is off while other programs held the cores runs
+# again.
 
 # %% tags=["exercise"] exercise="4.3"
-def predict_busy_cores(cores):
+def busy_cores(fn):
     ### BEGIN SOLUTION
-    return {"python loop, 2 threads": 1,  # one GIL
-            "torch matmul, 2 threads (1 torch thread each)": min(2, cores),
-            "sleep, 2 threads": 0,
-            "python loop, 2 processes": min(2, cores),
-            "torch matmul, 2 processes x 4 torch threads": min(8, cores)}
+    def cpu_s():  # this process's threads, and the children it waited for
+        t = os.times()
+        return time.process_time() + t.children_user + t.children_system
+
+    cpu0, wall0 = cpu_s(), time.perf_counter()
+    fn()
+    return (cpu_s() - cpu0) / (time.perf_counter() - wall0)
     ### END SOLUTION
 
 
 # %% tags=["check"] exercise="4.3"
-check_predict_busy_cores(predict_busy_cores)
+check_busy_cores(busy_cores)
 
 # %% [markdown]
 # ## Glossary

@@ -3,10 +3,13 @@ with a message that names the mistake."""
 
 import concurrent.futures as cf
 import multiprocessing as mp
+import os
 import queue
+import resource
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -515,104 +518,192 @@ def test_wrong_parallel_applies_fail():
 
 # ---------------------------------------------------------------- 4.3
 
-NAMES = ["python loop, 2 threads", "torch matmul, 2 threads (1 torch thread each)",
-         "sleep, 2 threads", "python loop, 2 processes",
-         "torch matmul, 2 processes x 4 torch threads"]
+
+def meter_rusage(fn):
+    def cpu():
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    c0, w0 = cpu(), time.perf_counter()
+    fn()
+    return (cpu() - c0) / (time.perf_counter() - w0)
 
 
-def busy_min(cores):
-    return dict(zip(NAMES, [1, min(2, cores), 0, min(2, cores), min(8, cores)],
-                    strict=True))
+def meter_os_times(fn):
+    t0, w0 = os.times(), time.monotonic()
+    fn()
+    t1, w1 = os.times(), time.monotonic()
+    cpu = sum(t1[i] - t0[i] for i in range(4))  # user, system, children's both
+    return cpu / (w1 - w0)
 
 
-def busy_floats(cores):
-    return {k: float(v) for k, v in busy_min(cores).items()}
+def meter_psutil(fn):
+    me = psutil.Process()
+
+    def cpu():
+        t = me.cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    c0, w0 = cpu(), time.perf_counter()
+    fn()
+    return (cpu() - c0) / (time.perf_counter() - w0)
 
 
-class Busy(dict):
-    def __init__(self, cores):
-        super().__init__({NAMES[0]: 1.0, NAMES[2]: 0.0})
-        for name, want in zip(NAMES, (None, 2, None, 2, 8), strict=True):
-            if want:
-                self[name] = want if want <= cores else cores
+def meter_ns(fn):
+    kids = resource.RUSAGE_CHILDREN
+    k0 = sum(resource.getrusage(kids)[:2])
+    c0, w0 = time.process_time_ns(), time.perf_counter_ns()
+    try:
+        fn()
+    finally:  # a try/finally lets fn's error through
+        w1, c1 = time.perf_counter_ns(), time.process_time_ns()
+    return ((c1 - c0) / 1e9 + sum(resource.getrusage(kids)[:2]) - k0) / (
+        (w1 - w0) / 1e9)
 
 
-def busy_numpy(cores):
-    import numpy as np
-    return {k: np.float64(v) for k, v in busy_min(cores).items()}
+class MeterClass:
+    """A class whose instances are the meter; the result a numpy float."""
+
+    def __new__(cls, fn):
+        import numpy as np
+        c0 = time.process_time() + sum(os.times()[2:4])
+        w0 = time.perf_counter()
+        fn()
+        c1 = time.process_time() + sum(os.times()[2:4])
+        return np.float64((c1 - c0) / (time.perf_counter() - w0))
 
 
-def busy_near(cores):  # within rounding of the ideal
-    out = busy_min(cores)
-    out[NAMES[0]] = 1.05  # a little switching overhead
-    out[NAMES[2]] = 0.02
-    return out | {"something else": 3}
+RIGHT_METERS = [meter_rusage, meter_os_times, meter_psutil, meter_ns, MeterClass]
 
 
-@pytest.mark.parametrize("fn", [busy_min, busy_floats, Busy, busy_numpy, busy_near])
-def test_right_busy_cores_pass(fn):
-    ch04.check_predict_busy_cores(fn, measure=False)
-
-
-def test_wrong_busy_cores_fail():
-    def threads_parallel(cores):
-        return busy_min(cores) | {NAMES[0]: min(2, cores)}
-
-    def matmul_gil(cores):
-        return busy_min(cores) | {NAMES[1]: 1}
-
-    def sleep_one(cores):
-        return busy_min(cores) | {NAMES[2]: 2}
-
-    def processes_one(cores):
-        return busy_min(cores) | {NAMES[3]: 1}
-
-    def no_cap(cores):
-        return busy_min(cores) | {NAMES[4]: 8}
-
-    def cap_missing_everywhere(cores):
-        return dict(zip(NAMES, [1, 2, 0, 2, 8], strict=True))
-
-    def two_cores_assumed(cores):
-        return busy_min(2)
-
-    def list_not_dict(cores):
-        return list(busy_min(cores).values())
-
-    def missing_one(cores):
-        out = busy_min(cores)
-        del out[NAMES[3]]
-        return out
-
-    def percent(cores):
-        return {k: 100 * v for k, v in busy_min(cores).items()}
-
-    def text_values(cores):
-        return {k: "two" for k in NAMES}
-
-    fails(ch04.check_predict_busy_cores, threads_parallel, "GIL")
-    fails(ch04.check_predict_busy_cores, matmul_gil, "releases the GIL")
-    fails(ch04.check_predict_busy_cores, sleep_one, "no CPU")
-    fails(ch04.check_predict_busy_cores, processes_one, "own interpreter")
-    fails(ch04.check_predict_busy_cores, no_cap, "never exceed")
-    fails(ch04.check_predict_busy_cores, cap_missing_everywhere, "1 core")
-    fails(ch04.check_predict_busy_cores, two_cores_assumed, "core(s)")
-    fails(ch04.check_predict_busy_cores, list_not_dict, "a dict")
-    fails(ch04.check_predict_busy_cores, missing_one, "missing")
-    fails(ch04.check_predict_busy_cores, percent, "never more than the cores")
-    def lazy_for_ever(cores):  # a generator: the check reads it inside its timeout
-        while True:
-            time.sleep(0.5)
-            yield (NAMES[0], 1)
-
-    fails(ch04.check_predict_busy_cores, text_values, "a number")
-    fails(ch04.check_predict_busy_cores, lazy_for_ever, "finish within")
-
-
-def test_busy_cores_measured_beside_the_prediction(capsys):
-    ch04.check_predict_busy_cores(busy_min)
+@pytest.mark.parametrize("meter", RIGHT_METERS)
+def test_right_busy_cores_pass(meter, capsys):
+    ch04.check_busy_cores(meter)
     out = capsys.readouterr().out
-    assert "measured" in out and "passed" in out
+    assert "passed" in out and "measured" in out
+
+
+def _wrong_meters():
+    def threads_only(fn):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        fn()
+        return (time.thread_time() - c0) / (time.perf_counter() - w0)
+
+    def no_children(fn):
+        c0, w0 = time.process_time(), time.perf_counter()
+        fn()
+        return (time.process_time() - c0) / (time.perf_counter() - w0)
+
+    def children_only(fn):
+        k0, w0 = sum(os.times()[2:4]), time.perf_counter()
+        fn()
+        return (sum(os.times()[2:4]) - k0) / (time.perf_counter() - w0)
+
+    def wall_time_thread_cpu(fn):
+        c0, w0 = time.thread_time(), time.time()
+        fn()
+        return (time.thread_time() - c0) / (time.time() - w0)
+
+    def cpu_seconds(fn):
+        c0 = meter_cpu()
+        fn()
+        return meter_cpu() - c0
+
+    def inverted(fn):
+        c0, w0 = meter_cpu(), time.perf_counter()
+        fn()
+        return (time.perf_counter() - w0) / (meter_cpu() - c0)
+
+    first = []
+
+    def cached(fn):
+        if not first:
+            first.append(meter_rusage(fn))
+        else:
+            fn()
+        return first[0]
+
+    total = {"cpu": 0.0, "wall": 0.0}
+
+    def accumulates(fn):
+        c0, w0 = meter_cpu(), time.perf_counter()
+        fn()
+        total["cpu"] += meter_cpu() - c0
+        total["wall"] += time.perf_counter() - w0
+        return total["cpu"] / total["wall"]
+
+    def calls_twice(fn):
+        fn()  # a warm-up
+        return meter_rusage(fn)
+
+    def swallows(fn):
+        try:
+            return meter_rusage(fn)
+        except Exception:  # noqa: BLE001 - the mistake under test
+            return 0.0
+
+    def rounded(fn):
+        return round(meter_rusage(fn))
+
+    def monotonic_cpu(fn):
+        c0, w0 = time.monotonic(), time.perf_counter()
+        fn()
+        return (time.monotonic() - c0) / (time.perf_counter() - w0)
+
+    def process_time_wall(fn):
+        c0, w0 = meter_cpu(), time.process_time()
+        fn()
+        return (meter_cpu() - c0) / (time.process_time() - w0)
+
+    def never_calls(fn):
+        return 1.0
+
+    def returns_text(fn):
+        return f"{meter_rusage(fn):.2f} cores"
+
+    def another_error(fn):
+        try:
+            return meter_rusage(fn)
+        except Exception:  # noqa: BLE001 - the mistake under test
+            raise ValueError("fn failed") from None
+
+    def hangs(fn):
+        fn()
+        while True:
+            time.sleep(0.1)
+
+    return [
+        (threads_only, "time.thread_time"),
+        (no_children, "child processes' CPU missing"),
+        (children_only, "own CPU missing"),
+        (wall_time_thread_cpu, "only the calling thread's CPU"),
+        (cpu_seconds, "not divided by the wall seconds"),
+        (inverted, "inverted"),
+        (cached, "cache nothing"),
+        (accumulates, "counted from an earlier call"),
+        (calls_twice, "2 calls"),
+        (swallows, "let it propagate"),
+        (rounded, "whole number"),
+        (monotonic_cpu, "wall clock"),
+        (process_time_wall, "wall time measured with process_time"),
+        (never_calls, "call fn()"),
+        (returns_text, "a number"),
+        (another_error, "fn's own exception"),
+        (hangs, "within 25 s"),
+    ]
+
+
+def meter_cpu():
+    return time.process_time() + sum(os.times()[2:4])
+
+
+@pytest.mark.parametrize("meter, words", _wrong_meters(),
+                         ids=[m.__name__ for m, _ in _wrong_meters()])
+def test_wrong_busy_cores_fail(meter, words):
+    start = time.monotonic()
+    fails(ch04.check_busy_cores, meter, words)
+    assert time.monotonic() - start < 30  # a verdict, whatever the answer does
 
 
 # ------------------------------------------------- more answers, written apart
@@ -976,14 +1067,6 @@ def test_more_wrong_parallel_applies_fail():
     fails(ch04.check_parallel_apply_, remainder_to_the_last, "differ by at most one")
     fails(ch04.check_parallel_apply_, shared_copy_returned, "returned instead")
     assert not ch04._left_children(0)
-
-
-def test_busy_cores_reference_refused():
-    def the_checkers_own(cores):
-        return ch04.ideal_busy_cores(cores)
-
-    with pytest.raises(ExerciseFailed, match="reference answer"):
-        ch04.check_predict_busy_cores(the_checkers_own, measure=False)
 
 
 # --- stray workers after an error, and the queue-join deadlock -------------------
