@@ -170,6 +170,22 @@ def _returns_value(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return False
 
 
+def parse(source: str) -> ast.Module:
+    """``ast.parse``, once more where Python 3.11 fails it spuriously.
+
+    Its AST constructor can raise "SystemError: AST constructor recursion
+    depth mismatch" in a process whose other threads compile too (CPython
+    gh-106905): a test run has such threads, and the same source parses the
+    next time."""
+    for attempt in range(3):
+        try:
+            return ast.parse(source)
+        except SystemError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _module_defs(module: str, seen: frozenset = frozenset()) -> dict:
     """``name -> FunctionDef, ClassDef or (module, name)`` of a course_utils module."""
     parts = module.split(".")
@@ -178,7 +194,7 @@ def _module_defs(module: str, seen: frozenset = frozenset()) -> dict:
     if module in seen or not path.exists():
         return {}
     defs: dict = {}
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+    for node in parse(path.read_text(encoding="utf-8")).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defs[node.name] = node
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
@@ -252,7 +268,7 @@ def stray_reprs(nb) -> list[str]:
             trees.append(None)  # a cell magic: not Python
             continue
         try:
-            trees.append(ast.parse("\n".join(lines)))
+            trees.append(parse("\n".join(lines)))
         except SyntaxError:
             trees.append(None)
     defs, imported = {}, {}
@@ -299,7 +315,7 @@ def _top_level_names(source: str) -> set[str]:
 
     lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
     try:
-        tree = ast.parse("\n".join(lines))
+        tree = parse("\n".join(lines))
     except SyntaxError:
         return set()
     names: set[str] = set()
@@ -341,7 +357,7 @@ def _names_used(source: str) -> set[str]:
 
     lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
     try:
-        tree = ast.parse("\n".join(lines))
+        tree = parse("\n".join(lines))
     except SyntaxError:
         return set()
     return {n.id for n in ast.walk(tree)

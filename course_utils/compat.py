@@ -25,6 +25,7 @@ up on first use in the places listed in ``MOVED``, first found wins.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import re
 import sys
@@ -237,7 +238,32 @@ def backport() -> list[str]:
         __init__.__wrapped__ = init
         DDP.__init__ = __init__
         added.append("DistributedDataParallel(forward_sync_buffers=...)")
+    added += _empty_attention()
     return added
+
+
+def _empty_attention() -> list[str]:
+    """torch 2.11's CPU attention kernel divides by the number of heads: given
+    none (a rank whose share of the heads came out 0), the process dies of
+    SIGFPE. torch 2.13 returns the empty result; so does this wrapper."""
+    import torch
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    if parse(torch.__version__) >= (2, 13) or getattr(sdpa, "_empty_safe", False):
+        return []
+
+    @functools.wraps(sdpa)
+    def scaled_dot_product_attention(query, key, value, *args, **kwargs):
+        if query.numel() == 0:
+            shape = (*query.shape[:-1], value.shape[-1])
+            # zeros joined to the inputs, so that backward reaches them as before
+            return query.new_zeros(shape) + 0 * (query.sum() + key.sum() + value.sum())
+        return sdpa(query, key, value, *args, **kwargs)
+
+    scaled_dot_product_attention._empty_safe = True
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    return ["F.scaled_dot_product_attention of no heads"]
 
 
 def main(argv: list[str] | None = None) -> int:

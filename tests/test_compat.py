@@ -179,3 +179,20 @@ def test_the_checkpoint_generator_is_the_one_checkpoint_calls(monkeypatch):
     x = torch.ones(3, requires_grad=True)
     cp.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
     assert calls
+
+
+def test_attention_over_no_heads_returns_nothing_on_every_supported_torch():
+    # torch 2.11's CPU kernel divided by the head count and died of SIGFPE;
+    # importing course_utils makes it return the empty result, as 2.13 does
+    import torch.nn.functional as F
+
+    import course_utils  # noqa: F401
+
+    q = torch.randn(2, 0, 5, 4, requires_grad=True)
+    out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.shape == (2, 0, 5, 4)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)  # the rest as before
+    want = torch.softmax(x @ x.transpose(-1, -2) / 2, -1) @ x
+    assert torch.allclose(F.scaled_dot_product_attention(x, x, x), want)

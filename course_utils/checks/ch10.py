@@ -517,6 +517,13 @@ def _error_hint(err: str, sp: bool, other_ran: bool) -> str:
         return ("a row-parallel layer takes the column-parallel output as it is "
                 "(sharded on the last dimension): pair ColwiseParallel on q, k, v, "
                 "gate and up with RowwiseParallel on out_proj and down")
+    if sp and ("being sharded" in err or "without redistribution" in err):
+        # a view of a sequence-sharded activation (torch 2.11 refuses to flatten
+        # it; 2.13 runs on, and the missing all-gathers show in the counts)
+        return ("under SP attention and the feed-forward still need the whole "
+                "sequence: gather it once before attention and once before the "
+                "feed-forward (PrepareModuleInput from Shard(1) to Replicate()), "
+                "one all-gather per sublayer")
     if "mixed torch.Tensor and DTensor" in err:
         return ("a DTensor met a plain tensor: every linear on the way needs a "
                 "style, and under SP the sequence must be gathered before a "
