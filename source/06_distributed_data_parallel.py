@@ -959,6 +959,7 @@ def bucket_sizes_and_profile(rank, world_size, options):
         iteration[0] = step
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             ddp(x).sum().backward()
+            time.sleep(0.05)  # gloo's threads close their last events first
     spans = []
     for e in prof.events():
         if e.name == "gloo:all_reduce":
