@@ -2,7 +2,8 @@
 #   make lab    set up (once) and open JupyterLab on the notebooks
 #   make test   set up (once) and run the whole test suite
 # The course as a website and a PDF: make book | make pdf
-# Helpers: make e2e | make notebooks | make images | make grade | make record | make gpu-check | make lint | make clean
+# Helpers: make e2e | make notebooks | make images | make grade | make stability |
+#   make record | make gpu-check | make lint | make clean
 # Other torch versions and GPU machines: make compat | make wheelhouse | make gpu-lines
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lab test compat wheelhouse gpu-lines e2e notebooks images grade record gpu-check lint clean
+.PHONY: setup lab test compat wheelhouse gpu-lines e2e notebooks images grade stability record gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -111,6 +112,12 @@ pdf: setup $(BOOK_STAMP)
 
 grade: setup
 	$(PY) -m course_utils.grade
+
+# Every check ten times on the placeholder and ten on the solution (run it while
+# another program keeps a core busy). STABILITY_ARGS=--record instead times each
+# solution's check on a quiet machine: the times the checkers' limits derive from.
+stability: setup
+	$(PY) -m course_utils.stability $(STABILITY_ARGS)
 
 # On a GPU machine: run every chapter (with its solutions) with recording on;
 # the results land in course_utils/reference_data/ (commit them).

@@ -8,11 +8,16 @@ mistake fails with a message that names it.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
+import statistics
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -233,6 +238,82 @@ def require_solution(exercise: str, fn) -> None:
         fail(exercise, "your solution in the exercise cell",
              "the placeholder `raise NotImplementedError`",
              "replace that line with your code and run the exercise cell again")
+
+
+# --- how long an answer may take -------------------------------------------------
+#
+# A check that runs the learner's code guards it with a time limit, so an answer
+# that hangs still gets its verdict. Each limit is derived from the reference
+# solution's own run: ``python -m course_utils.stability --record`` times every
+# solution's check on a quiet machine and stores those seconds, with the time a
+# fixed probe took there, in reference_data/answer_times.json. Here the probe is
+# timed again, so a slower or busier machine gets a proportionally longer limit.
+
+ANSWER_TIMES = Path(__file__).parent / "reference_data" / "answer_times.json"
+RATIO = 2.5  # an answer may take this many times the reference's whole check
+FLOOR_S = 5.0  # and never less: starting processes and imports vary most
+_SLOWDOWN: list[float] = []  # [when measured, value]
+_SLOWDOWN_AGE_S = 20.0  # remeasured after this long: the load on a machine changes
+
+
+def _probe_once() -> float:
+    # plain Python: no torch call, which a checker's dispatch mode would see
+    start = time.perf_counter()
+    total, items = 0, {}
+    for i in range(120_000):
+        total += i % 7
+        items[i & 255] = total
+    return time.perf_counter() - start
+
+
+def probe_s(repeats: int = 5) -> float:
+    """Seconds a fixed piece of plain Python work takes here, now.
+
+    The median of ``repeats`` runs of about 15 ms each, after one to warm up;
+    one thread, so it measures the share of a core a busy machine leaves as
+    well as the machine's speed.
+    """
+    _probe_once()
+    return statistics.median(_probe_once() for _ in range(repeats))
+
+
+def answer_times() -> dict:
+    """The recorded reference times: ``{"probe_s": ..., "checks": {"7.1": s, ...}}``."""
+    return json.loads(ANSWER_TIMES.read_text(encoding="utf-8"))
+
+
+def slowdown() -> float:
+    """How many times slower this machine runs now than the one the reference
+    times were recorded on (at least 0.5); remeasured after 20 s.
+
+    ``COURSE_SLOWDOWN`` in the environment multiplies it (a learner's shared
+    cluster node, say).
+    """
+    now = time.monotonic()
+    if not _SLOWDOWN or now - _SLOWDOWN[0] > _SLOWDOWN_AGE_S:
+        value = max(0.5, probe_s() / answer_times()["probe_s"])
+        _SLOWDOWN[:] = [now, value]
+    return _SLOWDOWN[1] * float(os.environ.get("COURSE_SLOWDOWN", "1") or 1)
+
+
+def reference_s(exercise: str) -> float:
+    """Seconds the reference solution's whole check took where it was recorded."""
+    checks = answer_times()["checks"]
+    if exercise not in checks:
+        raise KeyError(f"no reference time recorded for Exercise {exercise}: run "
+                       "python -m course_utils.stability --record on a quiet machine")
+    return float(checks[exercise])
+
+
+def answer_limit(exercise: str, calls: int = 1, ratio: float = RATIO) -> float:
+    """Seconds one guarded part of ``exercise``'s check may take on this machine now.
+
+    ``ratio`` times the reference solution's whole check, times ``calls`` (the
+    answers checked in one go, as the tests do), scaled by ``slowdown()``, and
+    at least ``FLOOR_S`` scaled the same way. On a quiet 2-core machine an
+    answer that never returns gets its verdict within 30 s.
+    """
+    return round(max(FLOOR_S, ratio * reference_s(exercise) * calls) * slowdown(), 1)
 
 
 @contextmanager

@@ -33,7 +33,7 @@ def fails(check, fn, *words):
 @pytest.fixture
 def short_timeout(monkeypatch):
     """Answers that hang are stopped after a few seconds, not the usual 30."""
-    monkeypatch.setattr(ch06, "TIMEOUT_S", 6)
+    monkeypatch.setattr(ch06, "answer_limit", lambda *a, **k: 6)
 
 
 # ------------------------------------------------------------------ 6.1

@@ -654,7 +654,7 @@ def test_wrong_scores_fail():
 
 
 def test_endless_loop_stopped_and_named(monkeypatch):
-    monkeypatch.setattr(ch11, "LIMIT_S", 1)
+    monkeypatch.setattr(ch11, "answer_limit", lambda *a, **k: 1)
 
     def endless(expert_idx, n_experts, world_size, capacity):
         while True:

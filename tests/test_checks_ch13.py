@@ -652,7 +652,7 @@ def test_reduction_new_right_answers_pass(fn):
 
 @pytest.mark.parametrize("fn", list(NEW_WRONG_REDUCTION), ids=lambda f: f.__name__)
 def test_reduction_new_wrong_answers_fail(fn, monkeypatch):
-    monkeypatch.setitem(ch13.LIMIT_S, "13.3", 2)
+    monkeypatch.setattr(ch13, "answer_limit", lambda *a, **k: 2)
     _BY_NAMES.clear()
     msg = rejected(_judge_checked, fn)
     assert NEW_WRONG_REDUCTION[fn] in msg, msg
@@ -1079,7 +1079,7 @@ def test_layout_right_answers_pass(fn):
 
 @pytest.mark.parametrize("fn", list(WRONG_LAYOUT), ids=lambda f: f.__name__)
 def test_layout_wrong_answers_fail(fn, monkeypatch):
-    monkeypatch.setitem(ch13.LIMIT_S, "13.2", 2)
+    monkeypatch.setattr(ch13, "answer_limit", lambda *a, **k: 2)
     _BY_MODEL.clear()
     msg = rejected(_judge_layouts, fn)
     assert WRONG_LAYOUT[fn] in msg, msg

@@ -520,7 +520,7 @@ def _deadlock(model, prompt, steps):
 @pytest.mark.parametrize("fn", [_extra_reduce, _deadlock])
 def test_tp_hanging_answers_get_a_verdict(fn):
     def judged():
-        ch14.judge_tp(ch14._run_tp([fn], 2, ch14.HANG_S)[0])
+        ch14.judge_tp(ch14._run_tp([fn], 2)[0])
 
     message = rejected(judged)
     assert "never joined" in message or "every rank" in message, message

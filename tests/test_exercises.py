@@ -119,3 +119,78 @@ def test_where_ranks_waited_names_the_collective_and_the_calling_line():
         "rank 0 waiting in recv (called from two_stage_step, line 12); "
         "rank 1 in step (line 30)")
     assert where_ranks_waited("rank 0 failed: ValueError") == ""
+
+
+# --- the time an answer may take ----------------------------------------------
+
+
+def _source_exercises() -> set[str]:
+    import re
+
+    from course_utils import build
+    return {ex for source in build.chapter_sources() for ex in
+            re.findall(r'exercise="(\d+\.\d+)"', source.read_text(encoding="utf-8"))}
+
+
+def test_every_exercise_has_a_reference_time():
+    from course_utils import exercises
+
+    recorded = set(exercises.answer_times()["checks"])
+    assert recorded == _source_exercises(), recorded ^ _source_exercises()
+    assert all(s > 0 for s in exercises.answer_times()["checks"].values())
+
+
+def test_a_hanging_answer_is_stopped_within_30_s_where_the_times_were_recorded():
+    # the guarded part's limit, plus the work before it (at most the whole
+    # reference check) and a collective's wait where a group gives up first
+    from course_utils import exercises
+    from course_utils.checks import ch09, ch10
+
+    wait = {"9": ch09.WAIT_RATIO, "10": ch10.WAIT_RATIO}
+    for ex, ref in exercises.answer_times()["checks"].items():
+        limit = max(exercises.FLOOR_S, exercises.RATIO * ref)
+        worst = ref + limit + wait.get(ex.split(".")[0], 0) * ref
+        assert worst < 30, (ex, ref, worst)
+
+
+def test_answer_limit_follows_the_machine_speed(monkeypatch):
+    from course_utils import exercises
+
+    probe = exercises.answer_times()["probe_s"]
+    ref = exercises.reference_s("7.1")
+    monkeypatch.setattr(exercises, "_SLOWDOWN", [])
+    monkeypatch.setattr(exercises, "probe_s", lambda repeats=5: probe)
+    quiet = exercises.answer_limit("7.1")
+    want = max(exercises.FLOOR_S, exercises.RATIO * ref)
+    assert quiet == pytest.approx(want, abs=0.1)
+    monkeypatch.setattr(exercises, "_SLOWDOWN", [])
+    monkeypatch.setattr(exercises, "probe_s", lambda repeats=5: 3 * probe)
+    assert exercises.answer_limit("7.1") == pytest.approx(3 * quiet, rel=0.02)
+    assert exercises.answer_limit("7.1", calls=4) == pytest.approx(
+        3 * max(exercises.FLOOR_S, 4 * exercises.RATIO * ref), rel=0.02)
+    monkeypatch.setenv("COURSE_SLOWDOWN", "2")
+    assert exercises.answer_limit("7.1") == pytest.approx(6 * quiet, rel=0.02)
+    with pytest.raises(KeyError, match="stability --record"):
+        exercises.answer_limit("99.9")
+
+
+def test_probe_measures_a_busy_core():
+    # the probe runs in one thread: two busy processes per core slow it
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from course_utils import exercises
+
+    quiet = exercises.probe_s()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.5)  # the spinners have started
+        loaded = exercises.probe_s()
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert loaded > 1.3 * quiet, (quiet, loaded)

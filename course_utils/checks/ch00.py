@@ -10,6 +10,7 @@ from torch import nn
 
 from course_utils.devices import try_gpu
 from course_utils.exercises import (
+    answer_limit,
     call_learner,
     check_close,
     check_device,
@@ -18,8 +19,6 @@ from course_utils.exercises import (
     fail,
     passed,
 )
-
-TIMEOUT_S = 20.0
 
 
 def _guarded(ex: str, fn, *args, hints=None):
@@ -32,11 +31,12 @@ def _guarded(ex: str, fn, *args, hints=None):
         except BaseException as e:  # re-raised below, in the checker's thread
             out["error"] = e
 
+    limit = answer_limit(ex)
     worker = threading.Thread(target=target, daemon=True)
     worker.start()
-    worker.join(TIMEOUT_S)
+    worker.join(limit)
     if worker.is_alive():
-        fail(ex, f"your code to return within {TIMEOUT_S:.0f} s",
+        fail(ex, f"your code to return within {limit:.0f} s",
              "it was still running", "look for a loop that never ends")
     if "error" in out:
         raise out["error"]

@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from course_utils.devices import try_gpu
 from course_utils.exercises import (
+    answer_limit,
     call_learner,
     check_close,
     check_type,
@@ -61,12 +62,10 @@ from course_utils.exercises import (
     require_solution,
 )
 
-TIMEOUT_S = 30.0
-
 
 def _guarded(ex: str, fn, *args, **kwargs):
     """``call_learner`` in a worker thread: a check never hangs on the learner."""
-    timeout = TIMEOUT_S
+    timeout = answer_limit(ex)
     out: dict = {}
 
     def target():

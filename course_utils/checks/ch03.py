@@ -54,18 +54,19 @@ import torch
 
 from course_utils.exercises import (
     ExerciseFailed,
+    answer_limit,
     call_learner,
     fail,
     passed,
     require_solution,
 )
 
-TIMEOUT_S = 10.0
 
-
-def _run_with_timeout(exercise: str, fn: Callable, *args, timeout: float = TIMEOUT_S,
+def _run_with_timeout(exercise: str, fn: Callable, *args, timeout: float | None = None,
                       **kwargs):
-    """Call ``fn`` in a thread; fail kindly if it does not return in time."""
+    """Call ``fn`` in a thread; fail kindly if it does not return in time
+    (``answer_limit(exercise)`` unless ``timeout`` is given)."""
+    timeout = timeout or answer_limit(exercise)
     out: dict = {}
 
     def target():
@@ -906,7 +907,7 @@ def _call_overlap(ex: str, fn: Callable, spans, shown: str,
         finally:
             _IN_LEARNER.on = False
 
-    value = _run_with_timeout(ex, learner, timeout=TIMEOUT_S)
+    value = _run_with_timeout(ex, learner)
     if as_written(given) != before:
         fail(ex, f"overlap_fraction({shown}) to leave the spans it was given as "
              "they were", "the spans changed (reordered, removed, added or edited)",
@@ -949,10 +950,10 @@ def _refuse_answers_kept(ex: str, fn: Callable) -> None:
             _IN_LEARNER.on = False
 
     try:
-        first = _run_with_timeout(ex, lambda: ask(spans), timeout=TIMEOUT_S)
+        first = _run_with_timeout(ex, lambda: ask(spans))
         spans[:] = changed
-        second = _run_with_timeout(ex, lambda: ask(spans), timeout=TIMEOUT_S)
-        fresh = _run_with_timeout(ex, lambda: ask(list(changed)), timeout=TIMEOUT_S)
+        second = _run_with_timeout(ex, lambda: ask(spans))
+        fresh = _run_with_timeout(ex, lambda: ask(list(changed)))
     except Exception:  # any other mistake is named by the cases below
         return
     if abs(first - 0.4) <= 1e-6 and first in (second, fresh):

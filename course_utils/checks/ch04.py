@@ -35,10 +35,13 @@ from pathlib import Path
 import psutil
 import torch
 
-from course_utils.exercises import ExerciseFailed, fail, passed, require_solution
-
-TIMEOUT_S = 30.0
-
+from course_utils.exercises import (
+    ExerciseFailed,
+    answer_limit,
+    fail,
+    passed,
+    require_solution,
+)
 
 _BEFORE: set[int] = set()  # children that were there before the check began
 
@@ -72,7 +75,7 @@ def _kill(procs) -> None:
     psutil.wait_procs(procs, timeout=3)
 
 
-def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S):
+def _guarded(ex: str, fn, *args, timeout: float | None = None):
     """Call the learner's code in a thread; on a timeout kill its processes.
 
     Returns ``(status, value, cpu_s, wall_s)``: status ``"value"`` or
@@ -89,6 +92,7 @@ def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S):
         except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
             out["error"] = e
 
+    timeout = timeout or answer_limit(ex)
     worker = threading.Thread(target=target, daemon=True)
     c0, w0 = time.process_time(), time.perf_counter()
     worker.start()
@@ -531,7 +535,6 @@ BUSY_CASES = [  # the first two probe state kept from one call to the next
     ("2 processes started and joined", _two_processes),
     ("a loop, then a sleep, in the calling thread", _half_busy),
 ]
-BUSY_BUDGET_S = 25.0  # every call of the learner's function together
 # a case whose answer is off while other programs held the cores runs again:
 # they may have paused this process between your clock and the checker's
 BUSY_TRIES = 4
@@ -610,16 +613,17 @@ def check_busy_cores(busy_cores) -> None:
 
     ex = "4.3"
     require_solution(ex, busy_cores)
-    deadline = time.monotonic() + BUSY_BUDGET_S
+    budget = answer_limit(ex)  # every call of the learner's function together
+    deadline = time.monotonic() + budget
 
     def call(fn):
         left = deadline - time.monotonic()
         try:
             if left <= 0:
                 raise ExerciseFailed(ex, "", "")
-            return _guarded(ex, busy_cores, fn, timeout=min(10.0, left))
+            return _guarded(ex, busy_cores, fn, timeout=left)
         except ExerciseFailed:
-            fail(ex, f"every call to return within {BUSY_BUDGET_S:.0f} s in all",
+            fail(ex, f"every call to return within {budget:.0f} s in all",
                  "it was still running", "call fn() once, read the clocks before "
                  "and after, return: no waiting, no loop")
 

@@ -25,17 +25,17 @@ from torch.func import functional_call
 
 from course_utils.exercises import (
     ExerciseFailed,
+    answer_limit,
     call_learner,
     fail,
     passed,
     require_solution,
 )
 
-TIMEOUT_S = 20.0
 _CALLER: list[int] = []  # the thread the guard ran the learner's code in
 
 
-def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S, raw: bool = False):
+def _guarded(ex: str, fn, *args, timeout: float | None = None, raw: bool = False):
     """Call learner code in a thread; fail kindly if it does not return in time.
 
     ``raw`` returns ``("error", exception)`` instead of turning what the
@@ -52,6 +52,7 @@ def _guarded(ex: str, fn, *args, timeout: float = TIMEOUT_S, raw: bool = False):
         except BaseException as e:  # noqa: BLE001 - reported in the caller's thread
             out["error"] = e
 
+    timeout = timeout or answer_limit(ex)
     worker = threading.Thread(target=target, daemon=True)
     worker.start()
     worker.join(timeout)
@@ -113,11 +114,12 @@ def _run_replicas_in_threads(ex, replicas, pieces):
                for i in range(len(pieces))]
     for t in threads:
         t.start()
+    limit = answer_limit(ex)
     for t in threads:
-        t.join(TIMEOUT_S)
+        t.join(limit)
     if any(t.is_alive() for t in threads):
         fail(ex, "each replica to return", "a replica still running after "
-             f"{TIMEOUT_S:.0f} s")
+             f"{limit:.0f} s")
     if errors:
         e = errors[0]
         fail(ex, "replicas that run on their pieces, in threads at once",
@@ -274,7 +276,7 @@ class _Meeting:
         return fn
 
 
-def _apply(ex, fn, fns, inputs, timeout=None, guard=TIMEOUT_S):
+def _apply(ex, fn, fns, inputs, timeout=None, guard=None):
     args = (fns, inputs) if timeout is None else (fns, inputs, timeout)
     return _guarded(ex, fn, *args, raw=True, timeout=guard)
 

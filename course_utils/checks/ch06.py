@@ -24,7 +24,13 @@ from pathlib import Path
 import torch
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
-from course_utils.exercises import fail, passed, require_solution, where_ranks_waited
+from course_utils.exercises import (
+    answer_limit,
+    fail,
+    passed,
+    require_solution,
+    where_ranks_waited,
+)
 
 
 def _stuck(e: BaseException) -> str:
@@ -33,7 +39,6 @@ def _stuck(e: BaseException) -> str:
     return str(e).splitlines()[0] + (f": {where}" if where else "")
 
 
-TIMEOUT_S = 30  # a rank that waits longer waits for a collective nobody else calls
 LATE_S = 0.4  # at most how late one rank arrives in 6.3
 HOLD_CAP_S = 12  # rank 0's write waits at most this for the others to wait for it
 
@@ -47,7 +52,7 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
     try:
         # gloo on CPU ranks on any machine; forked, so notebook functions work
         return [r.value for r in launch(rank_fn, world_size, args=args,
-                                        timeout=TIMEOUT_S, backend="gloo")]
+                                        timeout=answer_limit(exercise), backend="gloo")]
     except RankFailed as e:
         first = str(e).splitlines()[0]
         # gloo's words when the other side went away ("Connection closed by

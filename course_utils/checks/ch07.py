@@ -30,6 +30,7 @@ import torch
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import (
+    answer_limit,
     call_learner,
     fail,
     passed,
@@ -44,8 +45,9 @@ def _stuck(e: BaseException) -> str:
     return str(e).splitlines()[0] + (f": {where}" if where else "")
 
 
-TIMEOUT_S = 45.0  # a rank that waits longer waits for a message nobody sends
-CALL_S = 10.0  # a schedule or a split that takes longer never ends
+def _call_limit(ex: str) -> float:
+    """Seconds one call of a schedule or a split may take (``answer_limit``)."""
+    return answer_limit(ex)
 
 
 def _guarded(ex: str, fn: Callable, convert: Callable, *args):
@@ -59,11 +61,12 @@ def _guarded(ex: str, fn: Callable, convert: Callable, *args):
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             out["error"] = e
 
+    limit = _call_limit(ex)
     worker = threading.Thread(target=target, daemon=True)
     worker.start()
-    worker.join(CALL_S)
+    worker.join(limit)
     if worker.is_alive():
-        fail(ex, f"your function to return within {CALL_S:.0f} s",
+        fail(ex, f"your function to return within {limit:.0f} s",
              "it was still running", "look for a loop that never ends")
     if "error" in out:
         raise out["error"]
@@ -305,7 +308,7 @@ def check_two_stage_step(two_stage_step: Callable) -> None:
     }
     try:
         ranks = [r.value for r in launch(_step_rank, 2, args=(two_stage_step,),
-                                         timeout=TIMEOUT_S, backend="gloo")]
+                                         timeout=answer_limit(ex), backend="gloo")]
     except RankFailed as e:
         first = str(e).splitlines()[0]
         for key, (expected, seen, hint) in known.items():
@@ -534,7 +537,7 @@ def check_one_f_one_b(one_f_one_b: Callable) -> None:
     p, m = REAL_CASE
     try:
         ranks = [r.value for r in launch(_schedule_rank, p, args=(orders[(p, m)], m),
-                                         timeout=TIMEOUT_S, backend="gloo")]
+                                         timeout=answer_limit(ex), backend="gloo")]
     except (RankFailed, LaunchTimeout) as e:
         fail(ex, f"your orders to run on {p} processes",
              _stuck(e) if isinstance(e, LaunchTimeout)

@@ -29,13 +29,17 @@ import torch
 from torch import nn
 
 from course_utils import compat
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    answer_limit,
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+)
 from course_utils.memory import LiveBytes
 
-TIMEOUT_S = 60.0
 
-
-def _guarded(exercise: str, body: Callable, *args, timeout: float = TIMEOUT_S):
+def _guarded(exercise: str, body: Callable, *args, timeout: float | None = None):
     """Run ``body(*args)`` (which calls the learner's code) in a thread; fail
     kindly if it does not return within ``timeout`` seconds."""
     out: dict = {}
@@ -46,6 +50,7 @@ def _guarded(exercise: str, body: Callable, *args, timeout: float = TIMEOUT_S):
         except BaseException as e:  # re-raised in the caller's thread
             out["error"] = e
 
+    timeout = timeout or answer_limit(exercise)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: a second thread only waits on a busy CPU
     worker = threading.Thread(target=target, daemon=True)

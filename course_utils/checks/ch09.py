@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import (
+    answer_limit,
     call_learner,
     fail,
     is_placeholder,
@@ -38,7 +39,8 @@ from course_utils.exercises import (
     require_solution,
 )
 
-TIMEOUT_S = 40
+STORE_S = 600  # the rendezvous store's own wait: the launch's limit ends a hang first
+WAIT_RATIO = 1.5  # a rank waits in one collective this many times the reference's check
 GROUPS = ((0, 2), (2, 3))  # (first launched rank, world size): 2 and 3 ranks
 
 
@@ -206,7 +208,7 @@ def _group_rank(launched: int, nprocs: int, cases, classes: list,
     # the groups' keys apart
     shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            nprocs, is_master=launched == 0,
-                           timeout=timedelta(seconds=TIMEOUT_S))
+                           timeout=timedelta(seconds=STORE_S))
     generation = 0
 
     def new_group():
@@ -246,14 +248,17 @@ def _group_rank(launched: int, nprocs: int, cases, classes: list,
 _RUNS: dict = {}
 
 
-def _run_groups(cases, answers: list, wait_s: float) -> None:
+def _run_groups(ex: str, cases, answers: list) -> None:
     """Run ``cases`` for several answers in one launch of both groups; keep
-    what each did, by answer."""
+    what each did, by answer. A collective nobody else calls gives up after
+    WAIT_RATIO times the reference's check; the launch, after the answers'
+    share of ``answer_limit`` and one such wait each."""
     nprocs = sum(n for _, n in GROUPS)
+    wait_s = answer_limit(ex, ratio=WAIT_RATIO)
     try:
         ranks = [r.value for r in launch(
             _group_rank, nprocs, args=(cases, list(answers), wait_s),
-            timeout=TIMEOUT_S + 2 * wait_s * len(answers), init=False,
+            timeout=answer_limit(ex, len(answers)) + wait_s * len(answers), init=False,
             echo=False, backend="gloo")]
     except RankFailed as e:
         ranks = str(e).splitlines()[0][:240]
@@ -264,18 +269,18 @@ def _run_groups(cases, answers: list, wait_s: float) -> None:
             r[i] for r in ranks]
 
 
-def run_sharded_linear(classes: list, wait_s: float = 10.0) -> None:
+def run_sharded_linear(classes: list) -> None:
     """Run 9.1's cases for several classes in one launch; keep what each did.
 
     ``check_sharded_linear`` then judges a class from these results instead of
     launching again (the checker tests use it: one launch for all answers).
     """
-    _run_groups(_linear_cases, classes, wait_s)
+    _run_groups("9.1", _linear_cases, classes)
 
 
 def _group_results(ex: str, cases, answer, what: str) -> list:
     if (cases, answer) not in _RUNS:
-        _run_groups(cases, [answer], 10.0)
+        _run_groups(ex, cases, [answer])
     runs = _RUNS.pop((cases, answer))
     if isinstance(runs, str):  # the launch itself failed
         fail(ex, "every rank to finish", runs, "a rank waits for ever in a "
@@ -597,9 +602,9 @@ def _clip_cases(fn, rank: int, n: int) -> list[dict]:
     return results
 
 
-def run_clip(functions: list, wait_s: float = 10.0) -> None:
+def run_clip(functions: list) -> None:
     """Run 9.3's cases for several functions in one launch (the tests use it)."""
-    _run_groups(_clip_cases, functions, wait_s)
+    _run_groups("9.3", _clip_cases, functions)
 
 
 def _norm_hint(seen: float, want: float, grads, n: int, rank: int,

@@ -18,9 +18,9 @@ on CPU ranks on any machine, with a timeout) and judges what it does:
 
 The ``_*_rank`` functions take a list of answers, so that the tests can judge
 many answers in one launch; the checkers pass one. Every launch runs its ranks
-in a group whose collectives give up after ``WAIT_S`` seconds, so that an
-answer whose ranks wait for each other gets its verdict in seconds, not at
-the launch's limit.
+in a group whose collectives give up after ``WAIT_RATIO`` times the reference
+solution's check (``answer_limit``), so that an answer whose ranks wait for
+each other gets its verdict in seconds, not at the launch's limit.
 """
 
 from __future__ import annotations
@@ -37,13 +37,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_utils.dist import LaunchTimeout, RankFailed, launch
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    answer_limit,
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+)
 
-TIMEOUT_S = 60  # the whole launch, a last resort: WAIT_S ends a hang first
-DTENSOR_TIMEOUT_S = 180  # DTensor launches: seconds of CPU, far more on a busy machine
-# how long a rank waits in one collective for its peers: the ranks do the same
-# work in step, so a wait this long means a collective nobody else calls
-WAIT_S = 12
+STORE_S = 600  # the rendezvous store's own wait: the launch's limit ends a hang first
+# how long a rank waits in one collective for its peers, in reference checks
+# (answer_limit): the ranks do the same work in step, so a wait this long
+# means a collective nobody else calls
+WAIT_RATIO = 1.5
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -62,7 +68,7 @@ def _in_group(rank: int, world_size: int, rank_fn: Callable, wait_s: float,
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           world_size, is_master=rank == 0,
-                          timeout=timedelta(seconds=TIMEOUT_S))
+                          timeout=timedelta(seconds=STORE_S))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=wait_s))
     value = rank_fn(rank, world_size, *args)
@@ -74,14 +80,19 @@ def _in_group(rank: int, world_size: int, rank_fn: Callable, wait_s: float,
 
 
 def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
-         timeout: float | None = None) -> list:
-    """Launch ``rank_fn`` on ``world_size`` gloo ranks; a failure becomes a message."""
+         calls: int = 1) -> list:
+    """Launch ``rank_fn`` on ``world_size`` gloo ranks; a failure becomes a message.
+
+    ``calls`` answers run in the launch: it may take their share of
+    ``answer_limit`` and one collective's wait."""
+    wait_s = answer_limit(exercise, ratio=WAIT_RATIO)
+    timeout = answer_limit(exercise, calls) + wait_s
     hang = ("a rank waited in a collective that another rank never called: every "
             "rank must call the same collectives, in the same order")
     try:
         return [r.value for r in launch(_in_group, world_size,
-                                        args=(rank_fn, WAIT_S, *args),
-                                        timeout=timeout or TIMEOUT_S, init=False,
+                                        args=(rank_fn, wait_s, *args),
+                                        timeout=timeout, init=False,
                                         backend="gloo", echo=False)]
     except RankFailed as e:
         first = str(e).splitlines()[0]
@@ -301,7 +312,7 @@ def judge_attention(ranks: list[dict], case) -> None:
 def _check_attention_answers(fns: list, world_size: int) -> list[list[dict]]:
     """Run several answers at one world size; per answer, each rank's result."""
     case = next(c for c in ATTENTION_CASES if c[0] == world_size)
-    ranks = _run("10.1", _attention_rank, world_size, (fns, case))
+    ranks = _run("10.1", _attention_rank, world_size, (fns, case), len(fns))
     return [[ranks[r][i] for r in range(world_size)] for i in range(len(fns))]
 
 
@@ -635,7 +646,7 @@ def judge_plan(per_mode: dict) -> None:
 
 
 def _check_plan_answers(fns: list) -> list[dict]:
-    ranks = _run("10.2", _plan_rank, 2, (fns,), DTENSOR_TIMEOUT_S)
+    ranks = _run("10.2", _plan_rank, 2, (fns,), len(fns))
     return ranks[0]
 
 
@@ -722,7 +733,7 @@ def _counts_rank(rank: int, world_size: int) -> dict:
 @functools.lru_cache(maxsize=1)
 def measured_counts() -> dict:
     """{(depth, sp, lp): (step counts, forward counts)}, measured once on 2 ranks."""
-    return _run("10.3", _counts_rank, 2, (), DTENSOR_TIMEOUT_S)[0]
+    return _run("10.3", _counts_rank, 2, ())[0]
 
 
 def _as_counts(ex: str, got, case: str) -> dict[str, int]:

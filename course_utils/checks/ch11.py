@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from course_utils.exercises import (
+    answer_limit,
     call_learner,
     fail,
     passed,
@@ -30,13 +31,9 @@ from course_utils.exercises import (
     time_limit,
 )
 
-LIMIT_S = 30  # seconds one call of the learner's function may take
-
-
-
 
 def _call(ex, fn, *args):
-    """The learner's function, within LIMIT_S seconds, failures made friendly.
+    """The learner's function, within ``answer_limit(ex)``, failures made friendly.
 
     It runs with one intra-op thread: the checks use small tensors, for which
     a second thread only waits (16x slower on a busy 2-core machine).
@@ -44,7 +41,7 @@ def _call(ex, fn, *args):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with time_limit(LIMIT_S):
+        with time_limit(answer_limit(ex)):
             return call_learner(ex, fn, *args, hints={
                 "took longer than": "your function did not return: look for a "
                                     "loop whose condition never changes"})
@@ -388,7 +385,8 @@ def _real_exchange(ex, plan_dispatch) -> None:
                 want[token] += gate[token, j] * layers[int(idx[token, j])](x[token])
     try:
         results = launch(_exchange_rank, world_size,
-                         args=(plans, x, idx, gate, experts), timeout=60,
+                         args=(plans, x, idx, gate, experts),
+                         timeout=answer_limit(ex),
                          echo=False, backend="gloo")
     except (RankFailed, LaunchTimeout) as e:
         fail(ex, "the real exchange on 3 ranks to run", str(e).splitlines()[0],
@@ -442,7 +440,8 @@ def measured_scores(world_size: int, seq_len: int,
 
     key = (world_size, seq_len, repr(layouts))
     if key not in _MEASURED:
-        results = launch(_ring_rank, world_size, args=(seq_len, layouts), timeout=60,
+        results = launch(_ring_rank, world_size, args=(seq_len, layouts),
+                         timeout=answer_limit("11.3"),
                          echo=False, backend="gloo")
         _MEASURED[key] = [[r.value[i] for r in results] for i in range(len(layouts))]
     return _MEASURED[key]

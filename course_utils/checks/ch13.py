@@ -36,21 +36,13 @@ from torch import nn
 from course_utils import planner, reference
 from course_utils.dist import LaunchTimeout, RankFailed, launch
 from course_utils.exercises import (
+    answer_limit,
     call_learner,
     fail,
     passed,
     require_solution,
     time_limit,
 )
-
-# seconds a launch of 13.1 may take per answer it runs: the reference answer's
-# launch takes 2-3 s on 4 ranks of a 2-core machine at load average 2, so a
-# hanging answer gets its verdict within 30 s on a quiet machine; a machine
-# already busy before the check gets one more try, four times as long
-TIMEOUT_S = 20
-
-
-LIMIT_S = {"13.2": 10, "13.3": 20}  # seconds one call of the learner's may take
 
 # What an answer that reads the checker instead of the gradients would name.
 _PEEKING = ("_getframe", "currentframe", "f_locals", "f_back", "f_globals",
@@ -107,17 +99,15 @@ def _refuse_peeking(ex: str, fn) -> None:
              "work from the arguments only, not the checker's cases or frames")
 
 
-
-
 def _call(ex: str, fn, *args, convert=None):
     """The learner's function (and ``convert`` of its result, which may walk a
-    lazy iterator) within LIMIT_S[ex] seconds, its failures made friendly."""
+    lazy iterator) within ``answer_limit(ex)``, its failures made friendly."""
     def body():
         got = fn(*args)
         return convert(got) if convert else got
 
     body.__name__ = getattr(fn, "__name__", "your function")
-    with time_limit(LIMIT_S[ex]):
+    with time_limit(answer_limit(ex)):
         return call_learner(ex, body, hints={
             "took longer than": "your function did not return: look for a loop "
                                 "or an iterator that never ends"})
@@ -390,10 +380,13 @@ def _stuck(message: str) -> str:
 
 
 def _run_stage(fns: list, world: int = 4) -> list:
+    """Each answer's stages on ``world`` ranks. The launch may take
+    ``answer_limit("13.1")`` per answer; a machine already busy before the
+    check gets one more try, four times as long."""
     cases = STAGE_CASES if world == 4 else STAGE_CASES_2
     busy = os.getloadavg()[0] > (os.cpu_count() or 1)  # before the check
     for attempt in (1, 2):
-        limit = TIMEOUT_S * len(fns) * (4 if attempt == 2 else 1)
+        limit = answer_limit("13.1", len(fns)) * (4 if attempt == 2 else 1)
         try:
             ranks = [r.value for r in launch(_stage_rank, world, args=(fns, cases),
                                              timeout=limit, backend="gloo",
@@ -405,7 +398,7 @@ def _run_stage(fns: list, world: int = 4) -> list:
         except LaunchTimeout as e:
             if busy and attempt == 1:
                 continue  # a busy machine, perhaps: once more, with more time
-            fail("13.1", f"every rank to finish within {limit:g} s ({world} ranks; "
+            fail("13.1", f"every rank to finish within {limit:.0f} s ({world} ranks; "
                  "the reference answer takes a few seconds)",
                  f"your answer did not finish: {_stuck(str(e))}",
                  "a rank waited for a peer that never came: every rank must build "

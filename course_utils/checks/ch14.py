@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from course_utils import planner, reference, serving
 from course_utils.dist import LaunchTimeout, RankFailed, launch, peer_went_away
 from course_utils.exercises import (
+    answer_limit,
     call_learner,
     fail,
     passed,
@@ -42,12 +43,10 @@ from course_utils.exercises import (
     time_limit,
 )
 
-LIMIT_S = {"14.1": 10, "14.2": 20, "14.3": 10}  # seconds one call may take
-
 
 def _call(ex: str, fn, *args):
-    """The learner's function within LIMIT_S[ex] seconds, its failures made friendly."""
-    with time_limit(LIMIT_S[ex]):
+    """The learner's function within ``answer_limit(ex)``, failures made friendly."""
+    with time_limit(answer_limit(ex)):
         return call_learner(ex, fn, *args, hints={
             "took longer than": "your function did not return: look for a loop "
                                 "that never ends",
@@ -278,8 +277,6 @@ TP_CASES = {
     4: ((64, 32, 4, 2, 2, 7, 3, torch.float64, 2),
         (53, 48, 8, 2, 1, 4, 4, torch.float32, 3)),
 }
-TIMEOUT_S = 120  # 4 ranks on 2 cores, many answers at once (the tests)
-HANG_S = 25  # one answer: a rank blocked in a collective is stopped after this
 
 
 class _Counter(TorchDispatchMode):
@@ -327,7 +324,7 @@ def _tp_rank(rank: int, world: int, fns: list, cases=None) -> list:
             given = prompt.clone()
             counter = _Counter()
             try:
-                with time_limit(LIMIT_S["14.2"]), torch.no_grad(), counter:
+                with time_limit(answer_limit("14.2")), torch.no_grad(), counter:
                     got, flops = _flops(fn, model, prompt, steps)
                 tokens, logits = got
                 per_case.append({
@@ -411,7 +408,10 @@ def judge_tp(ranks: list[list[dict]], cases=None) -> None:
                      "cache of its heads instead of recomputing the whole sequence")
 
 
-def _run_tp(fns: list, world: int, timeout: float = TIMEOUT_S) -> list:
+def _run_tp(fns: list, world: int) -> list:
+    """Each answer's tokens and counts on ``world`` ranks, in one launch that may
+    take ``answer_limit("14.2")`` per answer."""
+    timeout = answer_limit("14.2", len(fns))
     try:
         ranks = [r.value for r in launch(_tp_rank, world, args=(fns,),
                                          timeout=timeout, backend="gloo", echo=False)]
@@ -428,7 +428,7 @@ def _run_tp(fns: list, world: int, timeout: float = TIMEOUT_S) -> list:
 def check_tp_generate(tp_generate: Callable) -> None:
     require_solution("14.2", tp_generate)
     for world in (2, 4):
-        judge_tp(_run_tp([tp_generate], world, HANG_S)[0])
+        judge_tp(_run_tp([tp_generate], world)[0])
     passed("14.2", "tokens and logits equal to one process on 2 and 4 ranks, "
            "2 all-reduces per layer and token, 1/N of the FLOPs per rank.")
 
