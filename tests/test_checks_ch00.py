@@ -684,3 +684,24 @@ def test_add_ramp_accepts_more_correct(solution, capsys):
 ])
 def test_add_ramp_names_more_mistakes(mistake, words):
     assert words in failure(check_add_ramp, mistake)
+
+
+class _RampRow(nn.Module):  # a (1, n) ramp: a 1-D x comes back 2-D
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("r", (torch.arange(n) / n)[None])
+
+    def forward(self, x):
+        return x + self.r
+
+
+def test_add_ramp_keeps_a_1d_input_1d():
+    assert "of shape (4,)" in failure(check_add_ramp, _RampRow)
+
+
+def test_memory_held_counts_an_empty_view():
+    def skips_empty(ts):  # a view with no elements counted as nothing
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in ts if t.numel()}.values())
+
+    assert "no elements still keeps" in failure(check_memory_held, skips_empty)

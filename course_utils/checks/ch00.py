@@ -265,6 +265,8 @@ def _memory_cases():
         ("a tensor seen as int32 through .view(torch.int32)",
          [m, m.view(torch.int32)]),
         ("an empty tensor", [torch.empty(0)]),
+        ("an empty slice of a tensor (x[10:10]: no elements, the whole storage)",
+         [x[10:10]]),
     ]
 
 
@@ -306,6 +308,11 @@ def _memory_hint(tensors, seen: int) -> str:
     by_tensor_ptr = sum({t.data_ptr(): nbytes(t) for t in tensors}.values())
     by_size = sum({nbytes(t) for t in tensors})
     as_f32 = sum(t.numel() * 4 for t in tensors)
+    if any(t.numel() == 0 and nbytes(t) for t in tensors) and seen == sum(
+            {t.untyped_storage().data_ptr(): nbytes(t) for t in tensors
+             if t.numel()}.values()):
+        return ("a view with no elements still keeps its base's whole storage "
+                "alive: count its storage like any other")
     if seen == as_f32 and seen != logical:
         return "not every tensor is float32: use t.element_size() or the storage"
     if seen == by_tensor_ptr:
@@ -378,7 +385,7 @@ def check_add_ramp(AddRamp) -> None:
                  "caller's tensor")
         return out
 
-    for n, shape in ((5, (3, 5)), (7, (2, 4, 7)), (1, (4, 1)), (6, (6, 6))):
+    for n, shape in ((5, (3, 5)), (7, (2, 4, 7)), (1, (4, 1)), (6, (6, 6)), (4, (4,))):
         m = build(n)
         trained = [name for name, p in m.named_parameters() if p.requires_grad]
         if trained:
