@@ -49,3 +49,29 @@ def test_steady_checks_pass_and_one_that_changes_its_verdict_is_reported(
     assert "7.1: 3 x failed on the placeholder, 3 x passed on the solution" in out
     line = next(ln for ln in out.splitlines() if "7.2:" in ln)
     assert "NOT STEADY" in line and "'passed'" in line and "failed" in line
+
+
+def test_record_times_each_solution_and_keeps_the_other_chapters(
+        tmp_path, monkeypatch, capsys):
+    import json
+
+    from course_utils import exercises
+
+    times = tmp_path / "answer_times.json"
+    times.write_text(json.dumps({"probe_s": 0.01, "checks": {"1.1": 2.0}}))
+    monkeypatch.setattr(exercises, "ANSWER_TIMES", times)
+    steady = tmp_path / "07_steady.py"
+    steady.write_text(CHAPTER.split("# %% tags=[\"exercise\"] exercise=\"7.2\"")[0])
+    assert stability.main(["--record", str(steady)]) == 0, capsys.readouterr().out
+    data = json.loads(times.read_text())
+    assert set(data["checks"]) == {"1.1", "7.1"}
+    assert 0 < data["checks"]["7.1"] < 30
+    # the kept time is put on this run's scale: seconds per second of probe
+    assert data["checks"]["1.1"] == round(2.0 * data["probe_s"] / 0.01, 2)
+
+    flaky = tmp_path / "07_demo.py"
+    flaky.write_text(CHAPTER)
+    before = times.read_text()
+    assert stability.main(["--record", str(flaky)]) == 1
+    assert "a solution failed its check (7.2)" in capsys.readouterr().out
+    assert times.read_text() == before
