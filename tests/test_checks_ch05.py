@@ -798,3 +798,146 @@ def test_checkers_reference_refused():
 
     fails(ch05.check_predict_dp_bytes, bytes_counted_by_the_checker,
           "reference answer")
+
+
+def replicas_originals_used_directly(module, devices):  # no copy: grads land there
+    out = []
+    for i, _ in enumerate(devices):
+        tensors = dict(module.named_parameters())
+        tensors |= {k: (b if i == 0 else b.clone()) for k, b in module.named_buffers()}
+        out.append(_calling(copy.deepcopy(module), tensors))
+    return out
+
+
+def apply_countdown_event(fns, inputs, timeout=60):
+    n, left, lock, done = len(fns), [len(fns)], threading.Lock(), threading.Event()
+    outs, errors = [None] * n, [None] * n
+    if n == 0:
+        return []
+
+    def run(i):
+        try:
+            outs[i] = fns[i](*inputs[i])
+        except Exception as e:  # noqa: BLE001
+            errors[i] = e
+        finally:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+    for i in range(n):
+        threading.Thread(target=run, args=(i,), daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError
+    for e in errors:
+        if e is not None:
+            raise e
+    return outs
+
+
+def bytes_from_finfo_bits(model, n, optimizer):
+    size = sum(p.numel() * torch.finfo(p.dtype).bits // 8 for p in model.parameters())
+    state = {"sgd": 0, "momentum": 1, "adam": 2}[optimizer] * size
+    return [2 * size + state + (size if n > 1 else 0)] + [2 * size] * (n - 1)
+
+
+@pytest.mark.parametrize("check, fn", [
+    (ch05.check_make_replicas, replicas_originals_used_directly),
+    (ch05.check_apply_in_threads, apply_countdown_event),
+    (ch05.check_predict_dp_bytes, bytes_from_finfo_bits)])
+def test_right_answers_written_otherwise_pass(check, fn):
+    check(fn)
+
+
+def test_replicas_behind_a_lock_fail():
+    def one_shell_behind_a_lock(module, devices):  # right values, one at a time
+        shell, lock = copy.deepcopy(module), threading.Lock()
+
+        def rep(i):
+            f = _calling(shell, _copies(module, i))
+
+            def locked(x):
+                with lock:
+                    return f(x)
+            return locked
+        return [rep(i) for i, _ in enumerate(devices)]
+
+    fails(ch05.check_make_replicas, one_shell_behind_a_lock, "at the same time",
+          "never overlapped")
+
+
+def test_applies_that_bind_late_pool_or_overwrite_fail():
+    def default_pool(fns, inputs, timeout=60):  # min(32, cores + 4) threads
+        pool = cf.ThreadPoolExecutor()
+        try:
+            futures = [pool.submit(f, *a) for f, a in zip(fns, inputs, strict=True)]
+            _, pending = cf.wait(futures, timeout=timeout)
+            if pending:
+                raise TimeoutError
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False)
+
+    def outputs_into_inputs(fns, inputs, timeout=60):
+        outs = apply_thread_subclass(fns, inputs, timeout)
+        inputs[:] = outs
+        return inputs
+
+    def late_bound_index(fns, inputs, timeout=60):
+        out = [None] * len(fns)
+        threads = [threading.Thread(target=lambda: out.__setitem__(
+            i, fns[i](*inputs[i])), daemon=True) for i in range(len(fns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        return out
+
+    def unpacking_forgotten_errors_lost(fns, inputs, timeout=60):
+        out = [None] * len(fns)
+
+        def run(i):
+            try:
+                out[i] = fns[i](inputs[i])
+            except Exception:  # noqa: BLE001, S110
+                pass
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        return out
+
+    fails(ch05.check_apply_in_threads, default_pool, "40 functions", "at most")
+    fails(ch05.check_apply_in_threads, outputs_into_inputs, "left as it was given")
+    fails(ch05.check_apply_in_threads, late_bound_index, "called once", "args=(i,)")
+    fails(ch05.check_apply_in_threads, unpacking_forgotten_errors_lost, "unpack")
+
+
+def test_predictions_with_a_state_miscounted_name_it():
+    def count(model, n, states, factor=1, extra=0):
+        size = factor * _size(model)
+        return [size * (2 + states) + (size if n > 1 else 0) + extra] + [
+            2 * size] * (n - 1)
+
+    def momentum_without_state(model, n, optimizer):
+        return count(model, n, {"sgd": 0, "momentum": 0, "adam": 2}[optimizer])
+
+    def adam_with_one_state(model, n, optimizer):
+        return count(model, n, {"sgd": 0, "momentum": 1, "adam": 1}[optimizer])
+
+    def adam_step_counters_counted(model, n, optimizer):
+        steps = 4 * len(list(model.parameters())) if optimizer == "adam" else 0
+        return count(model, n, {"sgd": 0, "momentum": 1, "adam": 2}[optimizer],
+                     extra=steps)
+
+    def parameters_of_every_module(model, n, optimizer):  # each counted twice
+        size = sum(p.numel() * p.element_size() for m in model.modules()
+                   for p in m.parameters())
+        states = {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
+        return [size * (2 + states) + (size if n > 1 else 0)] + [2 * size] * (n - 1)
+
+    fails(ch05.check_predict_dp_bytes, momentum_without_state, "momentum keeps one")
+    fails(ch05.check_predict_dp_bytes, adam_with_one_state, "Adam two")
+    fails(ch05.check_predict_dp_bytes, adam_step_counters_counted, "step counters")
+    fails(ch05.check_predict_dp_bytes, parameters_of_every_module, "each parameter once")

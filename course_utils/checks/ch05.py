@@ -74,11 +74,33 @@ def _first(e: BaseException) -> str:
 
 class _Pause(nn.Module):
     """A layer that takes a while (a sleep lets the other threads run), so that
-    replicas run in threads really overlap, however busy the machine."""
+    replicas run in threads really overlap, however busy the machine. While
+    the checker runs replicas in threads (``armed``), it counts how many are
+    inside at once, and the first waits (up to ``wait_s``) for a second to
+    arrive: replicas serialised behind a lock never overlap."""
+
+    lock = threading.Lock()
+    armed = False
+    inside = most = 0
+    wait_s = 2.0  # how long a replica waits for another to run beside it
 
     def forward(self, x):
-        time.sleep(0.01)
+        cls = _Pause
+        with cls.lock:
+            cls.inside += 1
+            cls.most = max(cls.most, cls.inside)
+        try:
+            time.sleep(0.01)
+            end = time.monotonic() + cls.wait_s
+            while cls.armed and cls.most < 2 and time.monotonic() < end:
+                time.sleep(0.005)
+            if cls.armed and cls.most < 2:
+                cls.wait_s = 0.0  # no other replica came: the next need not wait
+        finally:
+            with cls.lock:
+                cls.inside -= 1
         return x
+
 
 
 # ---------------------------------------------------------------- exercise 5.1
@@ -112,11 +134,15 @@ def _run_replicas_in_threads(ex, replicas, pieces):
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True)
                for i in range(len(pieces))]
-    for t in threads:
-        t.start()
-    limit = answer_limit(ex)
-    for t in threads:
-        t.join(limit)
+    _Pause.most, _Pause.armed = 0, len(pieces) > 1
+    try:
+        for t in threads:
+            t.start()
+        limit = answer_limit(ex)
+        for t in threads:
+            t.join(limit)
+    finally:
+        _Pause.armed = False
     if any(t.is_alive() for t in threads):
         fail(ex, "each replica to return", "a replica still running after "
              f"{limit:.0f} s")
@@ -126,7 +152,13 @@ def _run_replicas_in_threads(ex, replicas, pieces):
              f"a replica raised {type(e).__name__}: {_first(e):.100}",
              "each replica: its own module object (a deepcopy) and its own copies "
              "of the module's current parameters, in the module's dtype")
+    if len(pieces) > 1 and _Pause.most < 2:
+        _Pause.wait_s = 0.0  # seen once: the other cases need not wait again
+        _SERIAL.append(len(pieces))
     return outs
+
+
+_SERIAL: list[int] = []  # replicas counts of the runs whose replicas never overlapped
 
 
 def check_make_replicas(make_replicas) -> None:
@@ -134,6 +166,8 @@ def check_make_replicas(make_replicas) -> None:
     require_solution(ex, make_replicas)
     g = torch.Generator().manual_seed(4)
     cpu = torch.device("cpu")
+    _SERIAL.clear()
+    _Pause.wait_s = 2.0
     for what, model, dtype in _models():
         for rows, n in REPLICA_CASES:
             case = f"{what}, {rows} rows on {n} devices"
@@ -244,6 +278,11 @@ def check_make_replicas(make_replicas) -> None:
                          "again after its parameters changed)", "replicas of an "
                          "older state", "make new copies at every call: DataParallel "
                          "replicates at every step, because the parameters change")
+    if _SERIAL:
+        fail(ex, f"{_SERIAL[0]} replicas running at the same time, in threads",
+             "one replica at a time: they never overlapped",
+             "give each replica its own module object and its own copies, so that "
+             "they need no lock: DataParallel's threads run the replicas at once")
     passed(ex, "Equal to one device, forward and backward, run in threads at once; "
            "replica 0's buffers kept.")
 
@@ -259,11 +298,15 @@ class _Meeting:
         self.finished = []
         self.broken = False
         self.packed = False  # called with the input tuple itself
+        self.called = []  # which function ran, once per call
+        self.most = 0  # the most functions that waited at the barrier at once
 
     def make(self, i, slow=False):
         def fn(x, scale=1.0):
             self.threads.append(threading.get_ident())
+            self.called.append(i)
             self.packed |= isinstance(x, (tuple, list))
+            self.most = max(self.most, self.barrier.n_waiting + 1)
             try:
                 self.barrier.wait()
             except threading.BrokenBarrierError:
@@ -285,22 +328,35 @@ def check_apply_in_threads(apply_in_threads) -> None:
     ex = "5.2"
     require_solution(ex, apply_in_threads)
     g = torch.Generator().manual_seed(2)
+    # 40: more functions than a ThreadPoolExecutor's default pool has threads
     for n, kind in ((3, torch.float32), (1, torch.float64), (4, torch.float64),
-                    (2, torch.float32)):
+                    (2, torch.float32), (40, torch.float32)):
         case = f"{n} functions"
         meet = _Meeting(n)
         fns = [meet.make(i, slow=i == 0) for i in range(n)]
         xs = [torch.randn(i + 2, 3, generator=g, dtype=kind) for i in range(n)]
         inputs = [(x,) if i % 2 == 0 else (x, 2.0) for i, x in enumerate(xs)]
+        given = list(inputs)
         status, got = _apply(ex, apply_in_threads, fns, inputs)
+        if meet.broken and 1 < meet.most < n:
+            fail(ex, f"{n} functions running at once ({case})",
+                 f"at most {meet.most} of them at once",
+                 "a thread per function: a pool with fewer threads than functions "
+                 "(a ThreadPoolExecutor's default has min(32, cores + 4)) runs the "
+                 "rest only after the first have finished")
         if meet.broken:
             fail(ex, f"{n} functions running at once ({case})",
                  "they ran one after the other (they never all met)",
                  "start every thread first, then join them all")
-        if status == "error" and meet.packed:
+        if meet.packed:
             fail(ex, f"fns[i] called with the items of inputs[i] ({case})",
                  "a function got the tuple itself", "unpack each input tuple: "
                  "fns[i](*inputs[i])")
+        if len(inputs) != len(given) or any(
+                a is not b for a, b in zip(inputs, given, strict=True)):
+            fail(ex, f"the list `inputs` left as it was given ({case})",
+                 "its items replaced", "keep the outputs in a list of your own: "
+                 "the caller still needs its inputs")
         if status == "error":
             e = got
             if isinstance(e, TimeoutError):
@@ -313,6 +369,12 @@ def check_apply_in_threads(apply_in_threads) -> None:
                      "start every thread first, then join them all")
             fail(ex, f"apply_in_threads to run ({case})",
                  f"it raised {type(e).__name__}: {_first(e):.80}")
+        if sorted(meet.called) != list(range(n)):
+            fail(ex, f"each of the {n} functions called once ({case})",
+                 f"calls of functions {sorted(meet.called)}",
+                 "a thread's target that reads the loop variable when it runs "
+                 "(lambda: fns[i](...)) sees its last value: pass i as an argument "
+                 "(Thread(target=run, args=(i,)))")
         if set(_CALLER) & set(meet.threads):
             fail(ex, f"each function in a thread of its own ({case})",
                  "one ran in the calling thread", "start a thread per function, "
@@ -452,6 +514,18 @@ def _memory_models():
 MEMORY_CASES = [(4, "adam"), (3, "sgd"), (2, "momentum"), (1, "adam"), (8, "momentum")]
 
 
+def _sgd_right(ex, predict_dp_bytes, model, n) -> bool:
+    """Whether the learner's count for plain SGD (no state) is right: then a
+    count one parameter size short with momentum or Adam misses a state."""
+    status, got = _guarded(ex, predict_dp_bytes, copy.deepcopy(model), n, "sgd",
+                           raw=True)
+    try:
+        return status == "value" and [float(v) for v in got] == counted_dp_bytes(
+            model, n, "sgd")
+    except (TypeError, ValueError):
+        return False
+
+
 def check_predict_dp_bytes(predict_dp_bytes) -> None:
     ex = "5.3"
     require_solution(ex, predict_dp_bytes)
@@ -488,12 +562,22 @@ def check_predict_dp_bytes(predict_dp_bytes) -> None:
                         "replica, so no replica gradient")
             elif n > 1 and abs(per[1] - wper[1] + 1) < 1e-9:
                 hint = "a replica also holds the gradient that reaches its parameters"
-            elif n > 1 and abs(per[0] - wper[0] + 1) < 1e-9:
+            elif optimizer == "adam" and got[1:] == want[1:] and got[0] - want[0] in {
+                    k * len(list(model.parameters())) for k in (4, 8)}:
+                hint = "leave out Adam's scalar step counters (one per parameter)"
+            elif all(abs(a - 2 * b) < 1e-9 * b for a, b in zip(got, want,
+                                                              strict=True)):
+                hint = ("each parameter once: model.parameters() already holds the "
+                        "submodules' parameters (no loop over model.modules())")
+            elif n > 1 and abs(per[0] - wper[0] + 1) < 1e-9 and (
+                    optimizer == "sgd" or not _sgd_right(ex, predict_dp_bytes,
+                                                         model, n)):
                 hint = ("device 0 holds replica 0's gradient and the summed .grad: "
                         "two gradients' worth")
             elif n > 1 and per[1] > wper[1] + 0.5:
                 hint = "the optimizer's state lives on device 0 only"
-            elif optimizer != "adam" and abs(per[0] - wper[0]) > 1e-9:
+            elif abs(per[0] - wper[0]) > 1e-9 and (
+                    optimizer != "adam" or _sgd_right(ex, predict_dp_bytes, model, n)):
                 hint = ("plain SGD keeps no state; momentum keeps one buffer per "
                         "parameter; Adam two")
             fail(ex, f"{[int(v) for v in want]} bytes ({case})",
