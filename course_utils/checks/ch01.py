@@ -14,13 +14,20 @@ from __future__ import annotations
 import math
 import operator
 import threading
+import time
 import types
 
 import numba
 import numpy as np
 
 from course_utils.devices import kernel_target
-from course_utils.exercises import call_learner, fail, passed, require_solution
+from course_utils.exercises import (
+    answer_limit,
+    call_learner,
+    fail,
+    passed,
+    require_solution,
+)
 from course_utils.warps import Trace, trace_sectors
 
 MAX_THREADS_PER_BLOCK = 1024
@@ -264,6 +271,7 @@ class _Launch:
         self.atomics_on = {"shared": 0, "global": 0}
         self.shared_used = False
         self.max_reads = 0
+        self.max_barriers = 0
 
     def tn(self, t: int) -> str:
         """Thread number t of the block, as (x, y) in a 2-D block."""
@@ -481,12 +489,13 @@ class _Launch:
         if self.error is not None:
             raise self.error
         self.max_reads = max(self.max_reads, max(self.shared_reads))
+        self.max_barriers = max(self.max_barriers, max(self.barriers))
 
 
 def simulate_block_kernel(kernel, args, blocks, threads,
                           overrides: dict | None = None, max_steps: int = 0,
                           names=("x", "out", "arg2", "arg3"),
-                          hints: dict | None = None):
+                          hints: dict | None = None, limit: float = 20.0):
     """Run ``kernel[blocks, threads](*args)`` block by block, threads in turn.
 
     ``blocks`` and ``threads`` are ints or (x, y) pairs. Arrays in ``args`` are
@@ -497,7 +506,7 @@ def simulate_block_kernel(kernel, args, blocks, threads,
     index outside an array, or a barrier some threads skip; the learner's own
     exceptions pass through. Returns the launch: its counters (shared reads
     per thread, atomics) and ``log``, the global accesses of each (block,
-    thread) in program order.
+    thread) in program order. All blocks together may take ``limit`` seconds.
     """
     fn = _python_function(kernel)
     if fn is None:
@@ -510,8 +519,9 @@ def simulate_block_kernel(kernel, args, blocks, threads,
     launch.fn = _rebind(fn, launch.cuda, overrides or {})
     wrapped = [(_Array(a, nm, launch, shared=False) if isinstance(a, np.ndarray) else a)
                for a, nm in zip(args, names, strict=False)]
+    deadline = time.monotonic() + limit  # all blocks together
     for b in range(launch.blocks):
-        launch.run_block(b, wrapped)
+        launch.run_block(b, wrapped, max(0.1, deadline - time.monotonic()))
     return launch
 
 
@@ -602,7 +612,7 @@ def check_block_sum(block_sum) -> None:
         try:
             launch = simulate_block_kernel(block_sum, (x, out), blocks, threads,
                                            overrides={"THREADS": threads},
-                                           hints=SUM_HINTS)
+                                           hints=SUM_HINTS, limit=answer_limit(ex))
         except KernelFault as e:
             fail(ex, f"a correct, race-free launch for {what}", e.seen, e.hint)
         except Exception as e:  # the learner's code raised
@@ -654,6 +664,14 @@ def check_block_sum(block_sum) -> None:
                  "one thread summing the block in a loop leaves the other "
                  "threads idle: halve the active threads at each step "
                  "(stride THREADS/2, THREADS/4, ..., 1)")
+        # log2(threads) steps, a barrier after each and one after the loads
+        # (and one more anywhere): more are steps for a larger block
+        if launch.max_barriers > math.ceil(math.log2(threads)) + 2:
+            fail(ex, f"log2({threads}) = {math.ceil(math.log2(threads))} steps for "
+                     f"a block of {threads} threads ({what})",
+                 f"{launch.max_barriers} syncthreads per thread",
+                 "start the stride at the block's own half, cuda.blockDim.x // 2 "
+                 "(or THREADS // 2), not at a number that fits one block size")
     note = "No races, no unwritten reads, every thread reaches every barrier."
     if kernel_target() == "GPU":
         note += " " + _run_block_sum_on_gpu(ex, block_sum, fn)
@@ -813,7 +831,8 @@ def check_axpy(axpy) -> None:
 def _simulate(ex, kernel, args, blocks, threads, what, **kw):
     """Run the learner's kernel on the block simulator; name what went wrong."""
     try:
-        return simulate_block_kernel(kernel, args, blocks, threads, **kw)
+        return simulate_block_kernel(kernel, args, blocks, threads,
+                                     limit=answer_limit(ex), **kw)
     except KernelFault as e:
         fail(ex, f"a correct, race-free launch for {what}", e.seen, e.hint)
     except Exception as e:  # the learner's code raised
