@@ -1218,3 +1218,48 @@ def test_transpose_accepts_more_variants(right, capsys):
 ])
 def test_transpose_names_more_mistakes(wrong, words):
     assert words in failure(ch01.check_transpose, wrong)
+
+
+@cuda.jit
+def bs_stride_from_64(x, out):  # right for THREADS <= 128 only: idle steps below
+    sh = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.grid(1)
+    sh[t] = x[i] if i < x.size else float32(0)
+    cuda.syncthreads()
+    s = 64
+    while s > 0:
+        if t < s and t + s < cuda.blockDim.x:
+            sh[t] += sh[t + s]
+        cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = sh[0]
+
+
+@cuda.jit
+def bs_r_sync_each_side(x, out):  # a barrier before and after every step
+    sh = cuda.shared.array(THREADS, float32)
+    t = cuda.threadIdx.x
+    i = cuda.grid(1)
+    sh[t] = 0
+    if i < x.size:
+        sh[t] = x[i]
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        cuda.syncthreads()
+        if t < s:
+            sh[t] += sh[t + s]
+        s //= 2
+    cuda.syncthreads()
+    if t == 0:
+        out[cuda.blockIdx.x] = sh[0]
+
+
+def test_block_sum_counts_the_steps():
+    assert "log2(32) = 5 steps" in failure(ch01.check_block_sum, bs_stride_from_64)
+
+
+def test_block_sum_allows_a_barrier_at_the_top_of_each_step(capsys):
+    ch01.check_block_sum(bs_r_sync_each_side)
+    assert "passed" in capsys.readouterr().out
