@@ -852,3 +852,65 @@ def save_rank_0_keeps_its_model(model, rank, path):  # rank 0 skips the load
 ])
 def test_save_then_load_rejects_a_sleep_and_a_skipped_load(fn, words, short_timeout):
     fails(check_save_then_load, fn, *words)
+
+
+def grads_float32_assigned(model):  # a float32 mean assigned to a float64 .grad
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.float()
+            dist.all_reduce(g)
+            p.grad = g / dist.get_world_size()
+
+
+def ring_buffer_of_the_sent_chunk(tensor):  # receives into a buffer like the sent chunk
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    for s in range(2 * (n - 1)):
+        box = torch.empty_like(chunks[(r - s) % n])
+        recv = dist.irecv(box, (r - 1) % n)
+        send = dist.isend(chunks[(r - s) % n], (r + 1) % n)
+        recv.wait()
+        send.wait()
+        if s < n - 1:
+            chunks[(r - s - 1) % n][:len(box)] += box[:len(chunks[(r - s - 1) % n])]
+        else:
+            chunks[(r - s - 1) % n][:len(box)] = box[:len(chunks[(r - s - 1) % n])]
+
+
+def ring_while_loop(tensor):  # one loop over both phases, indices from the send
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks, s = tensor.view(-1).tensor_split(n), 0
+    while s < 2 * n - 2:
+        out = (r - s) % n
+        got = torch.empty_like(chunks[(out - 1) % n])
+        recv = dist.irecv(got, (r - 1) % n)
+        send = dist.isend(chunks[out], (r + 1) % n)
+        recv.wait()
+        send.wait()
+        if s < n - 1:
+            chunks[(out - 1) % n].add_(got)
+        else:
+            chunks[(out - 1) % n].copy_(got)
+        s += 1
+
+
+def save_flag_broadcast(model, rank, path):  # a broadcast from rank 0 as the wait
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    dist.broadcast(torch.ones(1), src=0)
+    model.load_state_dict(torch.load(path, map_location=lambda s, _: s,
+                                     weights_only=True))
+
+
+@pytest.mark.parametrize("check, fn", [(check_ring_all_reduce, ring_while_loop),
+                                       (check_save_then_load, save_flag_broadcast)])
+def test_more_right_answers_accepted(check, fn):
+    check(fn)
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (check_average_gradients, grads_float32_assigned, ("own dtype", "another dtype")),
+    (check_ring_all_reduce, ring_buffer_of_the_sent_chunk, ("buffer of its size",
+                                                            "(r - s - 1) mod n"))])
+def test_more_mistakes_named(check, fn, words):
+    fails(check, fn, *words)

@@ -190,7 +190,11 @@ def check_average_gradients(average_gradients: Callable) -> None:
                           "an operation on a .grad that is None", none_hint),
              "of type torch.Tensor": ("a tensor for every collective",
                                       "something else, such as a .grad that is None",
-                                      none_hint)}
+                                      none_hint),
+             "grad_dtype": ("each mean in the gradient's own dtype",
+                            "a gradient of another dtype assigned to .grad",
+                            "keep each gradient's dtype: average p.grad in place, "
+                            "without .float() or a float32 buffer")}
     for world_size in (2, 3):
         ranks = _run(ex, _gradient_rank, world_size, (average_gradients,), known)
         _judge_gradients(ex, ranks, world_size)
@@ -499,7 +503,14 @@ def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
              "before it waits on its send")
     gone = ("every rank to receive each message it waits for",
             "a rank waited for a message its peer never sent", stuck)
-    known.update({"closed by peer": gone, "reset by peer": gone})
+    known.update({"closed by peer": gone, "reset by peer": gone,
+                  "Connection was likely closed": gone,
+                  "SIGABRT": ("each message received into a buffer of its size",
+                              "a rank aborted: gloo stops a process whose receive "
+                              "buffer does not fit the message sent to it",
+                              "at step s rank r receives from rank r - 1 what goes "
+                              "into chunk (r - s - 1) mod n: allocate the buffer "
+                              "like that chunk (chunks may differ in size by one)")})
     for world_size in (2, 3, 4):
         ranks = _run(ex, _ring_rank, world_size, (ring_all_reduce,), known,
                      stuck_hint=stuck)
