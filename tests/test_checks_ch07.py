@@ -1047,3 +1047,79 @@ def test_an_order_from_the_chapters_policy_is_refused(monkeypatch):
     fails(ch07.check_one_f_one_b, through_the_chapter, "write yourself",
           "one_f_one_b_policy")
     ch07.check_one_f_one_b(one_f_one_b_slots)  # the same order, written anew
+
+
+def step_one_micro_batch_at_a_time(stage, rank, x, y, m, hidden):
+    """Right: each micro-batch's forward, then at once its backward (no list kept)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    for p in stage.parameters():
+        p.grad = None
+    total = 0.0
+    for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+        if rank == 0:
+            h = stage(xi)
+            dist.send(h.detach(), 1)
+            g = torch.empty_like(h)
+            dist.recv(g, 1)
+            h.backward(g)
+        else:
+            h = torch.empty(len(yi), hidden, dtype=x.dtype)
+            dist.recv(h, 0)
+            part = F.mse_loss(stage(h.requires_grad_()), yi, reduction="sum") / y.numel()
+            part.backward()
+            dist.send(h.grad, 0)
+            total += part.item()
+    return total if rank == 1 else None
+
+
+def step_recomputed_on_rank_0(stage, rank, x, y, m, hidden):
+    """Right: stage 0 sends from forwards without a graph, and recomputes each
+    one with a graph when its gradient arrives."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    stage.zero_grad()
+    if rank == 0:
+        for xi in x.chunk(m):
+            with torch.no_grad():
+                dist.send(stage(xi), 1)
+        for xi in x.chunk(m):
+            g = torch.empty(len(xi), hidden, dtype=x.dtype)
+            dist.recv(g, 1)
+            stage(xi).backward(g)
+        return None
+    parts = []
+    for yi in y.chunk(m):
+        h = torch.empty(len(yi), hidden, dtype=x.dtype)
+        dist.recv(h, 0)
+        parts.append((h, F.mse_loss(stage(h.requires_grad_()), yi,
+                                    reduction="sum") / y.numel()))
+    for h, part in parts:
+        part.backward()
+        dist.send(h.grad, 0)
+    return sum(part.item() for _, part in parts)
+
+
+@pytest.mark.parametrize("fn", [step_one_micro_batch_at_a_time,
+                                step_recomputed_on_rank_0])
+def test_two_stage_steps_in_other_orders_pass(fn):
+    ch07.check_two_stage_step(fn)
+
+
+def test_loss_divided_by_the_rows_is_named():
+    fails(ch07.check_two_stage_step, functools.partial(step_with, loss_div="rows"),
+          "stage 1's gradients", "number of rows", "y.numel()")
+
+
+def test_split_cached_on_the_list_id_fails():
+    cache = {}
+
+    def split_cached_by_id(costs, p):  # stale once the same list changes in place
+        key = (id(costs), len(costs), p)
+        if key not in cache:
+            cache[key] = split_lru(costs, p)
+        return cache[key]
+
+    fails(ch07.check_split_stages, split_cached_by_id, "changed in place", "no state")

@@ -152,6 +152,8 @@ def _whole_batch(k: int, loss_kind: str = "mean", boundary: str = "right",
             loss = torch.nn.functional.mse_loss(out, yi, reduction="sum") / y.numel()
         elif loss_kind == "sum_of_means":
             loss = torch.nn.functional.mse_loss(out, yi)
+        elif loss_kind == "per_row":  # divided by the rows, not every element
+            loss = torch.nn.functional.mse_loss(out, yi, reduction="sum") / len(y)
         else:  # "mean_of_means"
             loss = torch.nn.functional.mse_loss(out, yi) / m
         loss.backward()
@@ -214,6 +216,12 @@ def _judge_step(ex: str, k: int, ranks: list) -> None:
                     fail(ex, f"the gradients of the whole batch's mean loss {case}",
                          f"those of the {kind.replace('_', ' ')} of the "
                          "micro-batches", hint)
+        if STEP_CASES[k][4] > 1 and _all_close(  # outputs of several columns
+                grads1, _whole_batch(k, "per_row")[1][1], dtype):
+            fail(ex, f"stage 1's gradients of the whole batch's mean loss {case}",
+                 "those of the squared errors divided by the number of rows",
+                 "the mean is over every element of y: divide the summed squared "
+                 "errors by y.numel(), not by len(y)")
         if _all_close(grads1, want[1], dtype):
             fail(ex, f"the whole batch's mean loss, {want_loss:.6g}, returned {case}",
                  f"{loss:.6g}", "return the sum of every micro-batch's share of "
@@ -669,5 +677,20 @@ def check_split_stages(split_stages: Callable) -> None:
                  "not the number of layers (try every place for each cut, or search "
                  "for the least feasible slowest cost - over real numbers, not only "
                  "whole ones)")
+    # one list object, changed in place between two calls: an answer cached on
+    # the list's id (or its length) is the split of its old contents
+    costs, p = [3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0], 3
+    _guarded(ex, split_stages, lambda got: _as_stages(got, p, 7), costs, p)
+    costs[:] = [1.0, 1.0, 1.0, 12.0, 1.0, 1.0, 1.0]
+    stages = _guarded(ex, split_stages, lambda got: _as_stages(got, p, 7), costs, p)
+    flat = [i for stage in stages for i in stage]
+    if (len(stages) != p or any(not stage for stage in stages)
+            or flat != list(range(7)) or max(sum(costs[i] for i in stage)
+                                             for stage in stages)
+            > best_slowest_stage(costs, p) * (1 + 1e-9)):
+        fail(ex, f"the best split of costs {costs}, p={p}: the list given, changed "
+             "in place since the previous call", f"stages {stages}",
+             "keep no state between calls: an answer kept for the list's id or "
+             "length belongs to its old contents")
     passed(ex, f"{len(cases)} models, 1 to 5 stages, whole and fractional costs: "
                "every split as balanced as it can be.")
