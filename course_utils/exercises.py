@@ -365,3 +365,11 @@ def where_ranks_waited(error: BaseException | str) -> str:
         elif names:
             parts.append(f"rank {rank} in {names[0][0]} (line {names[0][2]})")
     return "; ".join(parts)
+
+
+def stuck(error: BaseException | str) -> str:
+    """A launch timeout in one line: its first line, then what each unfinished
+    rank was doing (``where_ranks_waited``), when the stacks say."""
+    where = where_ranks_waited(error)
+    first = (str(error).splitlines() or [""])[0]
+    return first + (f": {where}" if where else "")

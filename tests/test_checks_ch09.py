@@ -928,3 +928,14 @@ def test_clip_placeholder_fails_at_once():
         raise NotImplementedError("Exercise 9.3")
 
     fails(check_clip_sharded, placeholder, "placeholder")
+
+
+def test_reshard_that_never_returns_is_stopped(monkeypatch):
+    monkeypatch.setattr(ch09, "answer_limit", lambda *a, **k: 1.0)
+
+    def reshard_endless(shards, shapes, m):  # a loop whose condition never changes
+        rank = 0
+        while rank < m:
+            pass
+
+    fails(ch09.check_reshard_checkpoint, reshard_endless, "did not return")

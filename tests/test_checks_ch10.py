@@ -781,3 +781,17 @@ def test_tp_layer_comm_prediction_counts_the_ring_bytes():
     with pytest.raises(ValueError):
         predict.tp_layer_comm_seconds(2048, 12288, 1)
 
+
+
+def test_prediction_that_never_returns_is_stopped(monkeypatch):
+    ch10.measured_counts()  # measured with the usual limit, then cached
+    monkeypatch.setattr(ch10, "answer_limit", lambda *a, **k: 1.0)
+
+    def predict_endless(n_layers, sequence_parallel, loss_parallel):
+        counts = {}
+        while len(counts) < 3:
+            pass
+        return counts
+
+    text = rejected(ch10.check_predicted_counts, predict_endless)
+    assert "did not return" in text, text

@@ -37,6 +37,8 @@ from course_utils.exercises import (
     is_placeholder,
     passed,
     require_solution,
+    stuck,
+    time_limit,
 )
 
 STORE_S = 600  # the rendezvous store's own wait: the launch's limit ends a hang first
@@ -263,7 +265,7 @@ def _run_groups(ex: str, cases, answers: list) -> None:
     except RankFailed as e:
         ranks = str(e).splitlines()[0][:240]
     except LaunchTimeout as e:
-        ranks = "timeout: " + str(e).splitlines()[0][:200]
+        ranks = "your answer did not finish: " + stuck(e)[:400]
     for i, answer in enumerate(answers):
         _RUNS[cases, answer] = ranks if isinstance(ranks, str) else [
             r[i] for r in ranks]
@@ -494,9 +496,12 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
         shards = _cut(state, n)
         kept, shapes = copy.deepcopy(shards), dict(SHAPES_92)
         case = f"{n} ranks -> {m} ranks"
-        got = call_learner(ex, reshard_checkpoint, shards, shapes, m, hints={
-            "'betas'": "every name that shapes leaves out is replicated, whatever "
-            "its name: copy it whole to every new rank"})
+        with time_limit(answer_limit(ex)):
+            got = call_learner(ex, reshard_checkpoint, shards, shapes, m, hints={
+                "'betas'": "every name that shapes leaves out is replicated, "
+                "whatever its name: copy it whole to every new rank",
+                "took longer than": "your function did not return: look for a "
+                "loop whose condition never changes"})
         changed = _what_changed(shards, kept, shapes)
         if changed:
             fail(ex, f"the saved shards and shapes left as they were ({case})",

@@ -43,6 +43,8 @@ from course_utils.exercises import (
     fail,
     passed,
     require_solution,
+    stuck,
+    time_limit,
 )
 
 STORE_S = 600  # the rendezvous store's own wait: the launch's limit ends a hang first
@@ -100,7 +102,8 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
              hang if _waited(first) else
              "every rank must call the same collectives, in the same order")
     except LaunchTimeout as e:
-        fail(exercise, "every rank to finish", str(e).splitlines()[0], hang)
+        fail(exercise, "every rank to finish",
+             f"your answer did not finish: {stuck(e)}", hang)
 
 
 def _error(e: Exception) -> str:
@@ -826,8 +829,11 @@ def check_predicted_counts(predict_collectives: Callable) -> None:
     answers = {}
     for depth, sp, lp in measured:
         case = f"n_layers={depth}, sequence_parallel={sp}, loss_parallel={lp}"
-        answers[(depth, sp, lp)] = _as_counts(
-            ex, call_learner(ex, predict_collectives, depth, sp, lp), case)
+        with time_limit(answer_limit(ex)):
+            got = call_learner(ex, predict_collectives, depth, sp, lp, hints={
+                "took longer than": "your function did not return: look for a "
+                "loop whose condition never changes"})
+        answers[(depth, sp, lp)] = _as_counts(ex, got, case)
     for (depth, sp, lp), (step, _) in measured.items():
         case = f"n_layers={depth}, sequence_parallel={sp}, loss_parallel={lp}"
         got, want = answers[(depth, sp, lp)], {c: step.get(c, 0) for c in COLLECTIVES}

@@ -34,6 +34,7 @@ from course_utils.exercises import (
     fail,
     passed,
     require_solution,
+    stuck,
     time_limit,
 )
 
@@ -763,7 +764,7 @@ def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None
                  "group (dist.get_rank() works)")
         except LaunchTimeout as e:
             fail(ex, f"both functions to return within {limit:.0f} s on 2 ranks",
-                 str(e).splitlines()[0][:200], "a collective that only some ranks "
+                 stuck(e)[:400], "a collective that only some ranks "
                  "call (a barrier inside `if rank == 0`) waits for ever")
         value = out[0].value
         # the torchrun run's deadline follows what this machine just took

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 import re
 import types
 import warnings
@@ -380,30 +379,23 @@ def _stuck(message: str) -> str:
 
 
 def _run_stage(fns: list, world: int = 4) -> list:
-    """Each answer's stages on ``world`` ranks. The launch may take
-    ``answer_limit("13.1")`` per answer; a machine already busy before the
-    check gets one more try, four times as long."""
+    """Each answer's stages on ``world`` ranks, in one launch that may take
+    ``answer_limit("13.1")`` per answer (longer on a busier machine)."""
     cases = STAGE_CASES if world == 4 else STAGE_CASES_2
-    busy = os.getloadavg()[0] > (os.cpu_count() or 1)  # before the check
-    for attempt in (1, 2):
-        limit = answer_limit("13.1", len(fns)) * (4 if attempt == 2 else 1)
-        try:
-            ranks = [r.value for r in launch(_stage_rank, world, args=(fns, cases),
-                                             timeout=limit, backend="gloo",
-                                             echo=False)]
-            break
-        except RankFailed as e:
-            fail("13.1", "every rank to finish", str(e).splitlines()[0][:200],
-                 "every rank must build the same mesh and run its stage")
-        except LaunchTimeout as e:
-            if busy and attempt == 1:
-                continue  # a busy machine, perhaps: once more, with more time
-            fail("13.1", f"every rank to finish within {limit:.0f} s ({world} ranks; "
-                 "the reference answer takes a few seconds)",
-                 f"your answer did not finish: {_stuck(str(e))}",
-                 "a rank waited for a peer that never came: every rank must build "
-                 "the same mesh, make the same collective calls, and the stage's "
-                 "group is the pipeline dimension's")
+    limit = answer_limit("13.1", len(fns))
+    try:
+        ranks = [r.value for r in launch(_stage_rank, world, args=(fns, cases),
+                                         timeout=limit, backend="gloo", echo=False)]
+    except RankFailed as e:
+        fail("13.1", "every rank to finish", str(e).splitlines()[0][:200],
+             "every rank must build the same mesh and run its stage")
+    except LaunchTimeout as e:
+        fail("13.1", f"every rank to finish within {limit:.0f} s ({world} ranks; "
+             "the reference answer takes a few seconds)",
+             f"your answer did not finish: {_stuck(str(e))}",
+             "a rank waited for a peer that never came: every rank must build "
+             "the same mesh, make the same collective calls, and the stage's "
+             "group is the pipeline dimension's")
     return [[r[i] for r in ranks] for i in range(len(fns))]
 
 

@@ -40,6 +40,7 @@ from course_utils.exercises import (
     fail,
     passed,
     require_solution,
+    stuck,
     time_limit,
 )
 
@@ -419,7 +420,7 @@ def _run_tp(fns: list, world: int) -> list:
         fail("14.2", "every rank to finish", str(e).splitlines()[0][:200],
              "every rank must run the same collectives in the same order")
     except LaunchTimeout as e:
-        fail("14.2", "every rank to finish", str(e).splitlines()[0],
+        fail("14.2", "every rank to finish", f"your answer did not finish: {stuck(e)}",
              "a rank waited in an all-reduce that another never joined: every rank "
              "runs the same number of all-reduces, in the same order")
     return [[r[i] for r in ranks] for i in range(len(fns))]
