@@ -1159,3 +1159,42 @@ def test_process_map_names_a_join_before_the_results():
 
 def test_process_map_accepts_terminating_on_error():
     ch04.check_process_map(map_terminates_on_error)
+
+
+def _apply_in(t, bounds, fn):
+    def work(a, b):
+        t[a:b] = fn(t[a:b])
+    ps = [FORK.Process(target=work, args=ab) for ab in bounds if ab[1] > ab[0]]
+    [p.start() for p in ps]
+    [p.join(30) for p in ps]
+
+
+def test_parallel_apply_names_what_workers_did_instead_of_a_timeout():
+    def ceil_chunks(t, processes, fn):  # torch.chunk's sizes: 2, 2, 1, 0 for 5 rows
+        t.share_memory_()
+        c = -(-t.shape[0] // processes)
+        _apply_in(t, [(k * c, min((k + 1) * c, t.shape[0]))
+                      for k in range(processes)], fn)
+
+    def one_after_another(t, processes, fn):
+        t.share_memory_()
+        for ab in _rows(t.shape[0], processes):
+            _apply_in(t, [ab], fn)
+
+    def in_this_process(t, processes, fn):
+        t[:] = fn(t)
+
+    fails(ch04.check_parallel_apply_, ceil_chunks, "differ by at most one")
+    fails(ch04.check_parallel_apply_, one_after_another, "one after the other")
+    fails(ch04.check_parallel_apply_, in_this_process, "in a worker process")
+
+
+def test_busy_cores_counts_system_time():
+    def user_time_only(fn):
+        t0, w0 = os.times(), time.perf_counter()
+        fn()
+        t1 = os.times()
+        return (t1.user - t0.user + t1.children_user - t0.children_user) / (
+            time.perf_counter() - w0)
+
+    fails(ch04.check_busy_cores, user_time_only, "system time", "only the user time")
