@@ -15,3 +15,12 @@ def pytest_collection_modifyitems(session, config, items):
     """
     for module in {item.module for item in items if getattr(item, "module", None)}:
         cloudpickle.register_pickle_by_value(module)
+
+
+def machine_s(seconds: float) -> float:
+    """A test's time bound: ``seconds`` on the machine the course's reference
+    times were recorded on, stretched by how much slower this one runs now
+    (``exercises.slowdown``), never shortened."""
+    from course_utils.exercises import slowdown
+
+    return seconds * max(1.0, slowdown())

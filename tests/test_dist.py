@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import machine_s
 from torch import nn
 
 from course_utils.dist import (
@@ -145,7 +146,7 @@ def test_a_rank_that_raises():
     # rank 1 is named, not rank 0 (stopped, or failed when its peer went away)
     assert "rank 1 failed: ValueError: rank one is broken" in message
     assert "raise ValueError" in message  # the rank's traceback text
-    assert time.monotonic() - start < 20  # rank 0 did not wait for ever
+    assert time.monotonic() - start < machine_s(20)  # rank 0 did not wait for ever
 
 
 def hangs_on_rank_1(rank, world_size):
@@ -158,7 +159,7 @@ def test_a_rank_that_hangs():
     start = time.monotonic()
     with pytest.raises(LaunchTimeout, match="rank 1 did not finish within 8 s"):
         launch(hangs_on_rank_1, 2, timeout=8, echo=False)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < machine_s(20)
 
 
 def exits_early(rank, world_size):
@@ -208,7 +209,7 @@ def test_keyboard_interrupt_stops_every_rank(directed):
         start = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             launch(sleeps, 2, args=(30,), timeout=30, echo=False, init=False)
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < machine_s(15)
     finally:
         timer.join()
         signal.signal(signal.SIGINT, old)
@@ -314,14 +315,14 @@ def test_threads_per_rank_after_a_threaded_op_here(capsys):
     assert [(r.value[0], r.value[2]) for r in results] == [(2, 2.0), (2, 2.0)]
     out = capsys.readouterr().out
     assert "forkserver" in out and "2 threads each" in out
-    assert seconds < 10  # well under a second on a quiet machine
+    assert seconds < machine_s(10)  # well under a second on a quiet machine
 
 
 def test_threads_cannot_be_forked_from_here():
     start = time.monotonic()
     with pytest.raises(LaunchError, match="OpenMP is not fork-safe"):
         launch(matmul_threads, 2, threads=2, start_method="fork")
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < machine_s(1)
 
 
 @pytest.mark.parametrize("nprocs", [0, -1, 1.5])
@@ -501,7 +502,7 @@ def test_pool_times_out_and_leaves_no_worker():
     start = time.monotonic()
     with pytest.raises(mp.TimeoutError):
         pool_map(_sleep_forever, [1, 2], processes=2, timeout=1)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < machine_s(20)
     time.sleep(0.5)
     assert not set(mp.active_children()) - before
     with pytest.raises(LaunchError, match="at least 1"):
