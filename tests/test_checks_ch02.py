@@ -994,3 +994,39 @@ def test_run_epoch_names_kept_predictions(capsys):
 def test_run_epoch_accepts_detached_predictions(capsys):
     check_run_epoch(_epoch_keeps_detached_predictions)
     assert "passed" in capsys.readouterr().out
+
+
+def _measure_with_tub_timer(fn, sync):  # torch.utils.benchmark after a warm-up
+    import torch.utils.benchmark as tub
+
+    fn()
+    sync()
+    timer = tub.Timer("fn(); sync()", globals={"fn": fn, "sync": sync})
+    return timer.blocked_autorange(min_run_time=0.05).median
+
+
+def _events_from_round_start(stages, new_event, sync, rounds=5):
+    """Each end event read from the round's start, then differenced."""
+    rows = []
+    for r in range(rounds + 1):
+        ev = [new_event() for _ in range(len(stages) + 1)]
+        ev[0].record()
+        for (_, fn), end in zip(stages, ev[1:], strict=True):
+            fn()
+            end.record()
+        sync()
+        if r:
+            since = [ev[0].elapsed_time(e) for e in ev[1:]]
+            rows.append([b - a for a, b in pairwise([0.0, *since])])
+    med = np.median(np.array(rows), axis=0) / 1e3
+    return {n: float(m) for (n, _), m in zip(stages, med, strict=True)}
+
+
+def test_measure_accepts_torch_utils_benchmark(capsys):
+    check_measure(_measure_with_tub_timer)
+    assert "passed" in capsys.readouterr().out
+
+
+def test_time_with_events_accepts_differences_from_the_round_start(capsys):
+    check_time_with_events(_events_from_round_start)
+    assert "passed" in capsys.readouterr().out
