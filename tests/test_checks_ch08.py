@@ -1132,3 +1132,150 @@ def test_cheapest_format_accepts_sorted_chunks():
 ])
 def test_cheapest_format_names_a_partial_look(fn, words):
     fails(ch08.check_cheapest_format, fn, *words)
+
+
+def fmt_relative_to_stored(values, rel_error):  # |stored - v| <= rel * |stored|
+    v = values.double()
+    for name in ("float16", "bfloat16", "float32"):
+        r = values.to(getattr(torch, name)).double()
+        if torch.isfinite(r).all() and ((r - v).abs() <= rel_error * r.abs()).all():
+            return name
+    return "float64"
+
+
+def fmt_tiny_epsilon(values, rel_error):  # an epsilon against division by zero
+    v = values.double()
+    for name in ("float16", "bfloat16", "float32"):
+        r = values.to(getattr(torch, name)).double()
+        if torch.isfinite(r).all() and ((r - v).abs() / (v.abs() + 1e-12)
+                                        <= rel_error).all():
+            return name
+    return "float64"
+
+
+def fmt_numpy_of_the_input(values, rel_error):  # numpy first: no bfloat16 there
+    v = values.numpy().astype(np.float64)
+    for name in ("float16", "bfloat16", "float32"):
+        r = values.to(getattr(torch, name)).double().numpy()
+        if np.isfinite(r).all() and (np.abs(r - v) <= rel_error * np.abs(v)).all():
+            return name
+    return "float64"
+
+
+def fmt_allclose_no_atol(values, rel_error):  # right: allclose told atol=0
+    v = values.detach().to(torch.float64)
+    for name in ("float16", "bfloat16", "float32"):
+        r = v.to(getattr(torch, name)).to(torch.float64)
+        if torch.isfinite(r).all() and torch.allclose(r, v, rtol=rel_error, atol=0.0):
+            return name
+    return "float64"
+
+
+def test_cheapest_format_accepts_allclose_without_atol():
+    ch08.check_cheapest_format(fmt_allclose_no_atol)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (fmt_relative_to_stored, ["rounds up", "not to the stored value"]),
+    (fmt_tiny_epsilon, ["1e-15", "no epsilon"]),
+    (fmt_numpy_of_the_input, ["bfloat16", "numpy has no bfloat16"]),
+])
+def test_cheapest_format_names_the_error_measure(fn, words):
+    fails(ch08.check_cheapest_format, fn, *words)
+
+
+# ------------------------------------------ 8.3: the input on disk, hooks that end
+
+
+def offload_grad_tensors_only(fn, x, folder):  # what needs no gradient stays in memory
+    def pack(t):
+        if not t.requires_grad:
+            return t
+        path = os.path.join(folder, f"{uuid.uuid4()}.pt")
+        torch.save(t, path)
+        return path
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        t = torch.load(packed, weights_only=True)
+        os.remove(packed)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+
+
+def offload_hooks_never_closed(fn, x, folder):  # entered, never left
+    def pack(t):
+        path = os.path.join(folder, f"{uuid.uuid4()}.pt")
+        torch.save(t, path)
+        return path
+
+    def unpack(path):
+        t = torch.load(path, weights_only=True)
+        os.remove(path)
+        return t
+
+    torch.autograd.graph.saved_tensors_hooks(pack, unpack).__enter__()
+    return fn(x)
+
+
+class OffloadToDisk(torch.autograd.graph.saved_tensors_hooks):  # right: a subclass
+    def __init__(self, folder):
+        self.folder = folder
+        super().__init__(self.pack, self.unpack)
+
+    def pack(self, t):
+        fd, path = tempfile.mkstemp(dir=self.folder)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(t, f)
+        return path
+
+    def unpack(self, path):
+        try:
+            return torch.load(path, weights_only=True)
+        finally:
+            os.unlink(path)
+
+
+def offload_with_a_hooks_class(fn, x, folder):
+    with OffloadToDisk(folder):
+        return fn(x)
+
+
+def test_offload_with_a_hooks_class_passes():
+    ch08.check_offloaded(offload_with_a_hooks_class)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (offload_grad_tensors_only, ["the input x too", "still held in memory"]),
+    (offload_hooks_never_closed, ["still set after", "context manager"]),
+])
+def test_offloads_that_keep_the_input_or_the_hooks_fail(fn, words):
+    fails(ch08.check_offloaded, fn, *words)
+
+
+def recompute_input_on_ctx(segment, x):  # x kept as a ctx attribute, not saved
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, *params):
+            ctx.inp, ctx.rng = inp, torch.get_rng_state()
+            with torch.no_grad():
+                return segment(inp)
+
+        @staticmethod
+        def backward(ctx, grad):
+            now = torch.get_rng_state()
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                leaf = ctx.inp.detach().requires_grad_()
+                out = segment(leaf)
+            torch.set_rng_state(now)
+            return torch.autograd.grad(out, [leaf, *segment.parameters()], grad)
+
+    return Recompute.apply(x, *segment.parameters())
+
+
+def test_recompute_with_the_input_on_ctx_is_named():
+    fails(ch08.check_recompute, recompute_input_on_ctx, "peak", "save_for_backward")

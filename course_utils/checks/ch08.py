@@ -23,6 +23,7 @@ import copy
 import os
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -471,7 +472,9 @@ def _recompute_body(recompute) -> None:
                      f"{peak_r + (peak_p - peak_r) // 2:,} bytes ({where}, LiveBytes;"
                      f" {peak_p:,} without recomputation)", f"{peak:,} bytes",
                      "in backward, recompute one block at a time and let its "
-                     "activations go before the next")
+                     "activations go before the next; keep x with "
+                     "ctx.save_for_backward(x), which lets it go once used (a "
+                     "tensor set as a ctx attribute stays as long as the graph)")
             if dropout and not torch.equal(rng, rng_p):
                 fail(ex, f"the random state after the step where a plain step leaves "
                      f"it ({where})", "another state",
@@ -557,6 +560,12 @@ def _offload_model(width, dtype):
                          nn.Tanh()).to(dtype)
 
 
+def _hooks_left_on() -> bool:
+    """Whether saved-tensor hooks are still set in this thread."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 def _offload_body(offloaded) -> None:
     ex = "8.3"
     hints = {"BFloat16": "numpy has no bfloat16: torch.save keeps every dtype",
@@ -577,10 +586,18 @@ def _offload_body(offloaded) -> None:
         saved, n_saved, n_packs = _activation_bytes(model, xs[0])
         out_bytes = outs_p[0].numel() * outs_p[0].element_size()
         with tempfile.TemporaryDirectory(prefix="ch08_check_") as folder:
+            x1 = xs[0].clone()  # the checker keeps no reference to this input
             with LiveBytes() as live:
-                out1 = call_learner(ex, offloaded, model, xs[0], folder, hints=hints)
+                out1 = call_learner(ex, offloaded, model, x1, folder, hints=hints)
             held = live.current
             n1, disk1 = _folder_bytes(folder)
+            if _hooks_left_on():
+                fail(ex, f"the hooks set only while fn(x) runs ({what})",
+                     "saved-tensor hooks still set after offloaded returned",
+                     "use them as a context manager: `with torch.autograd.graph."
+                     "saved_tensors_hooks(pack, unpack): return fn(x)`")
+            x1_alive = weakref.ref(x1)
+            del x1
             out2 = call_learner(ex, offloaded, model, xs[1], folder, hints=hints)
             n2, _ = _folder_bytes(folder)
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -625,6 +642,12 @@ def _offload_body(offloaded) -> None:
                      f"went to disk) ({what})", f"{held:,} bytes",
                      "the pack hook must return something small (the file's name) "
                      "and keep no reference to the tensor")
+            if x1_alive() is not None:  # made before LiveBytes: not counted there
+                fail(ex, f"every saved tensor on disk, the input x too ({what})",
+                     "x still held in memory by the graph after the forward",
+                     "write every tensor the pack hook receives to a file, those "
+                     "that need no gradient (the input) as well, and return only "
+                     "the file's name")
             if n2 < 2 * n1:
                 fail(ex, f"{2 * n1} files after two forwards whose graphs are both "
                      f"alive ({what})", f"{n2} files",
@@ -773,7 +796,27 @@ def _strided_case() -> tuple:
             "(no .view(-1) on a non-contiguous tensor, no loop over the first row)")
 
 
-FORMAT_CASES += [_long_case(), _strided_case()]
+def _rounded_up_case() -> tuple:
+    """A value float16 rounds up, to 1 + 2**-10, by just more than rel_error of
+    the value itself and just less than rel_error of the stored value."""
+    stored, value = 1.0 + 2.0**-10, 1.0 + 2.0**-10 - 2.0**-12
+    rel = 2.0**-12 / stored * (1 + 1e-9)
+    return ("a value float16 rounds up, judged by its own size",
+            torch.tensor([value, 1.0]), rel,
+            "the error relative to the value itself, |stored - v| <= rel_error * "
+            "|v|, not to the stored value (which float16 rounded up)")
+
+
+FORMAT_CASES += [
+    _long_case(), _strided_case(), _rounded_up_case(),
+    ("a value far below any epsilon, 1e-15, beside 1", torch.tensor([1.0, 1e-15]),
+     1e-2, "judge each value by its own size, however small: no epsilon added to "
+     "|v| or to the tolerance (float16 stores 1e-15 as 0)"),
+    ("bfloat16 values beyond float16's range",
+     torch.tensor([3.0e5, -1.0, 0.5], dtype=torch.bfloat16), 1e-6,
+     "the values may come in any float dtype, bfloat16 too: convert them with "
+     "torch (values.double()), not numpy, which has no bfloat16"),
+]
 
 
 def check_cheapest_format(cheapest_format) -> None:
@@ -788,7 +831,9 @@ def _formats_body(cheapest_format) -> None:
     for what, values, rel, about in FORMAT_CASES:
         want = cheapest_format_reference(values, rel)
         given = values.clone()
-        got = call_learner(ex, cheapest_format, given, rel)
+        got = call_learner(ex, cheapest_format, given, rel, hints={
+            "BFloat16": "numpy has no bfloat16: convert and compare with torch "
+                        "(values.double())"})
         got = str(got).replace("torch.", "")
         if not torch.equal(given, values) or given.dtype != values.dtype:
             fail(ex, f"the values left as given ({what})", "they were changed",
