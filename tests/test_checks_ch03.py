@@ -2340,3 +2340,52 @@ def test_load_ahead_names_queued_loads_run_after_close():
 def test_load_ahead_accepts_shutdown_with_cancel(capsys):
     check_load_ahead(a_r_shutdown_cancel)
     assert "Exercise 3.3 passed" in capsys.readouterr().out
+
+
+def o_r_pairwise_union(spans):  # the union of every pair's intersection
+    ends = [(s[1], s[2]) for s in spans]
+    pieces = sorted((max(a1, a2), min(b1, b2))
+                    for (a1, b1), (a2, b2) in itertools.combinations(ends, 2)
+                    if min(b1, b2) > max(a1, a2))
+    busy, cur = 0, None
+    for lo, hi in pieces:
+        if cur is None or lo > cur[1]:
+            busy += cur[1] - cur[0] if cur else 0
+            cur = [lo, hi]
+        else:
+            cur[1] = max(cur[1], hi)
+    busy += cur[1] - cur[0] if cur else 0
+    total = max(b for _, b in ends) - min(a for a, _ in ends)
+    return busy / total if total > 0 else 0.0
+
+
+def p_r_two_side_streams(batches, device, cuda):  # copies alternate between two
+    streams = [cuda.Stream(), cuda.Stream()]
+    prev = None
+    for k, b in enumerate(batches):
+        s = streams[k % 2]
+        with cuda.stream(s):
+            x = b.to(device, non_blocking=True)
+        if prev is not None:
+            px, ps = prev
+            main = cuda.current_stream()
+            main.wait_stream(ps)
+            px.record_stream(main)
+            yield px
+        prev = (x, s)
+    if prev is not None:
+        px, ps = prev
+        main = cuda.current_stream()
+        main.wait_stream(ps)
+        px.record_stream(main)
+        yield px
+
+
+def test_overlap_accepts_a_union_of_pairwise_intersections(capsys):
+    check_overlap_fraction(o_r_pairwise_union, measured_spans=MEASURED)
+    assert "Exercise 3.2 passed" in capsys.readouterr().out
+
+
+def test_prefetch_accepts_two_side_streams(capsys):
+    check_prefetcher(p_r_two_side_streams)
+    assert "Exercise 3.1 passed" in capsys.readouterr().out
