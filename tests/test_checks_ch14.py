@@ -110,8 +110,19 @@ class RightCopyInto:  # a callable object; narrow().copy_ and enable_gqa
         return _finish(attn, out)
 
 
+def right_static_mask(attn, x, cache):  # gpt-fast: the whole buffer, masked
+    q, k, v = _qkv(attn, x)
+    start = _write(cache, k, v)
+    g = attn.n_heads // attn.n_kv_heads
+    slots = torch.arange(cache["k"].shape[2]).view(1, -1)
+    mask = slots <= torch.arange(start, cache["len"]).view(-1, 1)
+    return _finish(attn, F.scaled_dot_product_attention(
+        q, cache["k"].repeat_interleave(g, 1), cache["v"].repeat_interleave(g, 1),
+        attn_mask=mask))
+
+
 RIGHT_CACHE = [right_einsum, right_expand, right_grouped_queries, right_token_by_token,
-               RightCopyInto()]
+               RightCopyInto(), right_static_mask]
 
 
 def _sdpa(attn, q, cache, end, mask=None, causal=False, tile=False):
@@ -243,6 +254,17 @@ def wrong_scales_input(attn, x, cache):  # normalises x in place first
     return _finish(attn, _sdpa(attn, q, cache, cache["len"], mask))
 
 
+def wrong_attends_in_float32(attn, x, cache):  # float64 weights, float32 scores
+    q, k, v = _qkv(attn, x)
+    start = _write(cache, k, v)
+    end, g = cache["len"], attn.n_heads // attn.n_kv_heads
+    mask = torch.ones(x.shape[1], end, dtype=torch.bool).tril(start)
+    out = F.scaled_dot_product_attention(
+        q.float(), cache["k"][:, :, :end].float().repeat_interleave(g, 1),
+        cache["v"][:, :, :end].float().repeat_interleave(g, 1), mask)
+    return _finish(attn, out.to(x.dtype))
+
+
 def wrong_hangs(attn, x, cache):
     while True:
         pass
@@ -255,7 +277,7 @@ WRONG_CACHE = {
     wrong_no_mask: "recomputing attention",
     wrong_swapped: "swapped",
     wrong_tiled_heads: "repeat_interleave",
-    wrong_write_one_late: "empty (NaN) slots",
+    wrong_write_one_late: "empty (never written) slots",
     wrong_len_not_advanced: "cache['len']",
     wrong_recomputed: "do not recompute",
     wrong_concatenated: "write in place",
@@ -265,6 +287,7 @@ WRONG_CACHE = {
     wrong_multi_head_only: "n_kv_heads K/V",
     wrong_no_cache_read: "recomputing attention",
     wrong_scales_input: "x changed in place",
+    wrong_attends_in_float32: "the error of float32",
     wrong_hangs: "did not return",
 }
 
