@@ -683,7 +683,16 @@ def test_wrong_reshard_fail():
                 new[r][name] = piece.clone()
         return new
 
+    cache = {}
+
+    def cached_by_world_sizes(shards, shapes, m):  # same sizes, same answer
+        if (len(shards), m) not in cache:
+            cache[len(shards), m] = reshard_solution(shards, shapes, m)
+        return cache[len(shards), m]
+
     fails(check_reshard_checkpoint, placeholder, "placeholder")
+    fails(check_reshard_checkpoint, cached_by_world_sizes, "2 ranks -> 3 ranks",
+          "an earlier call")
     fails(check_reshard_checkpoint, step_by_name, "'betas'", "replicated")
     fails(check_reshard_checkpoint, strips_zeros, "zeros at the tensor's end")
     fails(check_reshard_checkpoint, keeps_old_padding, "old padding")
@@ -887,7 +896,28 @@ def clip_a_list(grad_shards, max_norm):
     return [g.norm().item() for g in grad_shards]
 
 
+def clip_by_one(grad_shards, max_norm):  # 1.0 written where max_norm belongs
+    squares = torch.stack([g.double().pow(2).sum() for g in grad_shards]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    for g in grad_shards:
+        g.mul_(min(1.0, 1.0 / (norm + 1e-6)))
+    return norm
+
+
+def clip_above_one(grad_shards, max_norm):  # clips whenever the norm exceeds 1
+    squares = torch.stack([g.double().pow(2).sum() for g in grad_shards]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    if norm > 1:
+        for g in grad_shards:
+            g.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
 WRONG_CLIP = [  # (answer, words its message must contain)
+    (clip_by_one, ["max_norm 2.5", "never with 1"]),
+    (clip_above_one, ["max_norm 5.0", "never with 1"]),
     (clip_local_only, ["this rank's slices only"]),
     (clip_sum_of_norms, ["norms do not add"]),
     (clip_no_sqrt, ["square root is missing"]),

@@ -449,7 +449,10 @@ def check_sharded_linear(ShardedLinear) -> None:  # noqa: C901, PLR0912
 
 SHAPES_92 = {"w": (5, 7), "b": (5,), "w.exp_avg": (5, 7), "b.exp_avg": (5,),
              "emb": (3, 1)}
-CASES_92 = ((2, 4), (4, 2), (3, 2), (2, 3), (1, 5), (5, 1), (3, 3), (4, 7), (6, 4))
+# the last case repeats (2, 3) with other values: an answer that keeps the
+# result of an earlier call (by world sizes, say) shows
+CASES_92 = ((2, 4), (4, 2), (3, 2), (2, 3), (1, 5), (5, 1), (3, 3), (4, 7), (6, 4),
+            (2, 3))
 
 
 def _full_state(seed: int) -> dict[str, torch.Tensor]:
@@ -557,11 +560,18 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
                          "size, and give every rank an equal slice (torch.chunk "
                          "without padding makes unequal or missing slices)")
                 if not torch.equal(s, t):
-                    fail(ex, label, _where_they_differ(s, t), "rank r gets elements "
-                         "r * size ... (r + 1) * size of the padded flat tensor")
-    passed(ex, f"{len(CASES_92)} reshardings (1 to 7 ranks), odd sizes, float32, "
-               "float64, bfloat16 and int64 tensors, zeros at a tensor's end, two "
-               "replicated entries: all exact, the saved checkpoint untouched.")
+                    stale = any(torch.equal(s, _cut(_full_state(j), m)[rank][k])
+                                for j, (n_j, m_j) in enumerate(CASES_92[:i])
+                                if m_j == m)
+                    fail(ex, label, _where_they_differ(s, t),
+                         "the values of an earlier call: keep no state between "
+                         "calls, reshard the shards you are given" if stale else
+                         "rank r gets elements r * size ... (r + 1) * size of the "
+                         "padded flat tensor")
+    passed(ex, f"{len(CASES_92)} reshardings (1 to 7 ranks, one pair twice), odd "
+               "sizes, float32, float64, bfloat16 and int64 tensors, zeros at a "
+               "tensor's end, two replicated entries: all exact, the saved "
+               "checkpoint untouched.")
 
 
 # ---------------------------------------------------------------- exercise 9.3
@@ -570,7 +580,9 @@ def check_reshard_checkpoint(reshard_checkpoint) -> None:
 # max_norm (clipped) and below it (left alone), float32, float64, bfloat16,
 # one case whose gradient lives on the last rank's slices only, and a second
 # call with other gradients of the same shapes (an answer with state shows)
-MAX_NORM_93 = 1.0
+# max_norm per case: not always 1 (a norm of 4.3 clipped to 2.5, one of 4.0
+# left alone under 5), so an answer that uses 1 in place of max_norm shows
+MAX_NORMS_93 = (1.0, 1.0, 2.5, 5.0, 1.0, 0.5)
 CASES_93 = (
     (((5, 7), (5,), (3, 1)), torch.float32, 1.0, 0),
     (((5, 7), (5,), (3, 1)), torch.float32, 0.02, 1),
@@ -594,10 +606,11 @@ def _clip_problem(shapes, dtype, scale, seed) -> list[torch.Tensor]:
 def _clip_cases(fn, rank: int, n: int) -> list[dict]:
     """Every case of 9.3 for one function, on this rank of an n-rank group."""
     results = []
-    for shapes, dtype, scale, seed in CASES_93:
+    for (shapes, dtype, scale, seed), max_norm in zip(CASES_93, MAX_NORMS_93,
+                                                      strict=True):
         shards = [_shard(t, rank, n) for t in _clip_problem(shapes, dtype, scale, seed)]
         given = list(shards)
-        norm = fn(shards, MAX_NORM_93)
+        norm = fn(shards, max_norm)
         if isinstance(norm, torch.Tensor):
             norm = norm.detach().double().cpu()
             norm = norm.item() if norm.numel() == 1 else norm.tolist()
@@ -655,7 +668,8 @@ def check_clip_sharded(clip_sharded_grads) -> None:  # noqa: C901
             grads = _clip_problem(shapes, dtype, scale, seed)
             want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
             where = (f"{n} ranks, rank {rank}, {len(shapes)} gradients, "
-                     f"{str(dtype).replace('torch.', '')}, norm {want:.4g}"
+                     f"{str(dtype).replace('torch.', '')}, norm {want:.4g}, "
+                     f"max_norm {MAX_NORMS_93[i]}"
                      + (", shapes of an earlier call" if any(
                          case[:2] == (shapes, dtype) for case in CASES_93[:i]) else "")
                      + (", all of it on the last rank" if seed == "tail" else ""))
@@ -675,7 +689,8 @@ def check_clip_sharded(clip_sharded_grads) -> None:  # noqa: C901
                                         len(agreed[n, i]) == 1))
                 fail(ex, f"the total norm {want:.6g} ({where})", f"{seen:.6g}", hint)
             norms.setdefault((n, i), set()).add(seen)
-            coef = min(1.0, MAX_NORM_93 / (want + 1e-6))
+            max_norm = MAX_NORMS_93[i]
+            coef = min(1.0, max_norm / (want + 1e-6))
             if not got["same list"]:
                 fail(ex, f"the shards scaled in place ({where})", "the list or its "
                      "tensors were replaced", "multiply each shard in place (mul_): "
@@ -685,7 +700,13 @@ def check_clip_sharded(clip_sharded_grads) -> None:  # noqa: C901
                 if _close(shard, expect):
                     continue
                 unchanged = _shard(g, rank, n)
-                if _close(shard, unchanged) and coef < 1:
+                by_one = [_shard((g.double() * f).to(dtype), rank, n) for f in
+                          (min(1.0, 1 / (want + 1e-6)), max_norm / (want + 1e-6))]
+                if max_norm != 1 and any(_close(shard, t) for t in by_one):
+                    hint = (f"max_norm is {max_norm} here: compare the norm with "
+                            "max_norm and scale by max_norm / (norm + 1e-6), "
+                            "never with 1")
+                elif _close(shard, unchanged) and coef < 1:
                     hint = ("the shards are unchanged: scale them in place by "
                             "max_norm / (norm + 1e-6) when the norm is above max_norm")
                 elif coef == 1 and not _close(shard, unchanged):
@@ -703,5 +724,6 @@ def check_clip_sharded(clip_sharded_grads) -> None:  # noqa: C901
         fail(ex, "the same total norm on every rank", f"{len(split)} cases differ",
              "all-reduce the squares so that every rank computes the same norm")
     passed(ex, f"{len(CASES_93)} cases on 2 and 3 ranks (float32, float64, bfloat16; "
-               "clipped and not; a second call): the whole model's norm, the shards "
+               "clipped and not, max_norm 0.5 to 5; a second call): the whole "
+               "model's norm, the shards "
                "scaled in place, as clip_grad_norm_ would.")
