@@ -329,7 +329,41 @@ def test_wrong_hidden_fraction_fail(real_trace):
             hidden += ch12._overlap(merged[comm], merged[compute])
         return hidden / total if total else 0.0
 
+    def sorted_by_time_and_phase(events, comm="gloo:all_reduce", compute="backward"):
+        return hidden_solution(sorted(events, key=lambda e: (e.get("ts", 0),
+                                                             e.get("ph", ""))),
+                               comm, compute)
+
+    def stray_end_crashes(events, comm="gloo:all_reduce", compute="backward"):
+        opened, out = defaultdict(list), []
+        for e in events:
+            if e.get("ph") == "B":
+                opened[e["pid"], e["tid"]].append(e)
+            elif e.get("ph") == "E":
+                b = opened[e["pid"], e["tid"]].pop()
+                out.append(dict(b, ph="X", dur=e["ts"] - b["ts"]))
+            else:
+                out.append(e)
+        return hidden_x_only(out, comm, compute)
+
+    def open_spans_to_the_end(events, comm="gloo:all_reduce", compute="backward"):
+        opened, out = defaultdict(list), []
+        last = max((e.get("ts", 0) + e.get("dur", 0) for e in events), default=0)
+        for e in events:
+            if e.get("ph") == "B":
+                opened[e["pid"], e["tid"]].append(e)
+            elif e.get("ph") == "E" and opened[e["pid"], e["tid"]]:
+                b = opened[e["pid"], e["tid"]].pop()
+                out.append(dict(b, ph="X", dur=e["ts"] - b["ts"]))
+            else:
+                out.append(e)
+        out += [dict(b, ph="X", dur=last - b["ts"]) for bs in opened.values()
+                for b in bs]  # a span still open runs to the trace's end
+        return hidden_x_only(out, comm, compute)
+
     cases = [
+        (sorted_by_time_and_phase, "order they happened"),
+        (stray_end_crashes, "closes nothing"), (open_spans_to_the_end, "never closed"),
         (no_union, "at least one runs"), (any_rank, "own"), (substring, "exactly"),
         (ts_dur_as_interval, "expected"), (over_compute, "communication time"),
         (constant, "expected"), (divides_by_zero, "0.0"),
