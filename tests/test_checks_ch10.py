@@ -198,6 +198,14 @@ def attn_two_ranks_only(x, wq, wk, wv, wo, n_heads):  # world size hard-coded
     return Reduce.apply(F.linear(out, wo[:, rows]))
 
 
+def attn_two_heads_each(x, wq, wk, wv, wo, n_heads):  # 2 heads per rank, always
+    hd = x.shape[-1] // n_heads
+    r = dist.get_rank()
+    rows = slice(r * 2 * hd, (r + 1) * 2 * hd)
+    out = _heads(Copy.apply(x), (wq, wk, wv), rows, hd)
+    return Reduce.apply(F.linear(out, wo[:, rows]))
+
+
 def attn_autograd_all_reduce(x, wq, wk, wv, wo, n_heads):  # backward all-reduces too
     from torch.distributed.nn.functional import all_reduce
 
@@ -260,6 +268,8 @@ WRONG_ATTENTION = {
     attn_wo_rows: ["columns of wo"],
     attn_float32_buffer: ["float64", "dtype"],
     attn_rank0_heads: ["every head computed by one rank", "get_rank"],
+    attn_two_heads_each: ["3 of the 6 heads computed on each rank",
+                          "n_heads / world_size heads"],
 }
 
 

@@ -113,8 +113,9 @@ def _error(e: Exception) -> str:
 
 # ---------------------------------------------------------------- exercise 10.1
 
-# (world size, batch, seq, heads, head width, dtype, seed): odd sizes
-ATTENTION_CASES = ((2, 3, 5, 4, 3, torch.float32, 0),
+# (world size, batch, seq, heads, head width, dtype, seed): odd sizes; 3 heads
+# per rank on 2 ranks, 2 on 3 (a head count per rank written as a number shows)
+ATTENTION_CASES = ((2, 3, 5, 6, 5, torch.float32, 0),
                    (3, 2, 7, 6, 5, torch.float64, 1))
 
 
