@@ -566,7 +566,29 @@ def test_wrong_first_mismatch_fail(real_dumps):
             e["input_sizes"][0]))]] if e["input_sizes"] else []) for e in es]
             for r, es in dumps.items()})
 
+    def whole_entries(dumps):  # every field but the ids and the stack
+        def key(e):
+            return str({k: v for k, v in e.items()
+                        if k not in ("record_id", "p2p_seq_id", "frames")})
+        return mismatch_solution({r: [dict(e, profiling_name=key(e)) for e in es]
+                                  for r, es in dumps.items()})
+
+    def by_record_id(dumps):
+        by = {r: {e["record_id"]: e for e in es if not e["is_p2p"]}
+              for r, es in dumps.items()}
+        for rid in range(max(min(d) for d in by.values()),
+                         max(max(d) for d in by.values()) + 1):
+            row = {r: d.get(rid) for r, d in by.items()}
+            if None in row.values() or len({(e["profiling_name"], str(
+                    e["input_sizes"])) for e in row.values()}) > 1:
+                seq = next(e for e in row.values() if e)["collective_seq_id"]
+                return seq, {r: next((e for e in es if not e["is_p2p"] and e[
+                    "collective_seq_id"] == seq), None) for r, es in dumps.items()}
+        return None
+
     cases = [
+        (whole_entries, "differ between ranks that agree"),
+        (by_record_id, "Pair entries by collective_seq_id"),
         (by_position, "sequence number"), (names_only, "sizes"),
         (two_ranks, "every rank"), (common_only, "never joined"),
         (from_oldest, "ring buffers"), (with_p2p, "is_p2p"),
