@@ -615,7 +615,14 @@ def right_float_batch(model, gpu, context, tp, dtype_bytes):
     return float(b), r
 
 
-RIGHT_PLAN = [right_integer, right_loop, right_list, RightPlanner(), right_float_batch]
+def right_numpy(model, gpu, context, tp, dtype_bytes):  # numpy's integers
+    import numpy as np
+    b, r = _plan(model, gpu, context, tp, dtype_bytes)
+    return np.int64(b), np.float64(r)
+
+
+RIGHT_PLAN = [right_integer, right_loop, right_list, RightPlanner(), right_float_batch,
+              right_numpy]
 
 
 def _cap(gpu):
@@ -664,7 +671,25 @@ def wrong_hangs_plan(model, gpu, context, tp, dtype_bytes):
         pass
 
 
+_PLANNED = {}
+
+
+def wrong_kept_per_model(model, gpu, context, tp, dtype_bytes):  # context ignored
+    key = (model.name, gpu, tp, dtype_bytes)
+    if key not in _PLANNED:
+        _PLANNED[key] = _plan(model, gpu, context, tp, dtype_bytes)
+    return _PLANNED[key]
+
+
+def wrong_rate_when_nothing_fits(model, gpu, context, tp, dtype_bytes):
+    b, _ = _plan(model, gpu, context, tp, dtype_bytes)
+    return b, b / serving.decode_seconds(model, gpu, max(b, 1), context, tp=tp).value
+
+
 WRONG_PLAN["wrong_calls_helper"] = (wrong_calls_helper, "calls max_batch")
+WRONG_PLAN["wrong_kept_per_model"] = (wrong_kept_per_model, "an earlier call")
+WRONG_PLAN["wrong_rate_when_nothing_fits"] = (wrong_rate_when_nothing_fits,
+                                              "return (0, 0.0)")
 WRONG_PLAN["wrong_hangs_plan"] = (wrong_hangs_plan, "did not return")
 
 
@@ -676,6 +701,7 @@ def test_plan_right_answers_pass(fn):
 @pytest.mark.parametrize("name", list(WRONG_PLAN))
 def test_plan_wrong_answers_fail(name):
     fn, words = WRONG_PLAN[name]
+    _PLANNED.clear()
     message = rejected(ch14.check_serving_plan, fn)
     assert words in message, message
     for model, gpu, context, tp, nbytes in ch14.plan_cases():  # the answer unseen
