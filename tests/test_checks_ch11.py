@@ -156,9 +156,27 @@ def transposed_keys(q, k, v, block, causal=False):  # k transposed once, up fron
     return out
 
 
+def padded_keys(q, k, v, block, causal=False):  # k and v padded to whole blocks
+    s = k.shape[2]
+    extra = -s % block
+    k, v = F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra))
+    out = torch.zeros_like(q)
+    lse = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    pos = torch.arange(q.shape[2])[:, None]
+    for a in range(0, s + extra, block):
+        keys = torch.arange(a, a + block)
+        mask = (keys < s) & (pos >= keys if causal else True)
+        o, l2 = _partial(q, k[:, :, a:a + block], v[:, :, a:a + block], mask)
+        new = torch.logaddexp(lse, l2)
+        out = out * (lse - new).exp().nan_to_num(0.0) + o.nan_to_num(0.0) * (
+            l2 - new).exp().nan_to_num(0.0)
+        lse = new
+    return out
+
+
 @pytest.mark.parametrize("fn", [online_softmax, lse_with_where, reverse_blocks,
                                 TiledAttention(), via_split, via_index_select,
-                                transposed_keys])
+                                transposed_keys, padded_keys])
 def test_right_blockwise_pass(fn):
     ch11.check_blockwise_attention(fn)
 
@@ -276,6 +294,17 @@ def test_wrong_blockwise_fail():
             rows.append(_partial(qi, k, v, mask)[0])
         return torch.cat(rows, dim=2)
 
+    def query_blocks_fused(q, k, v, block, causal=False):  # one kernel, every key
+        rows = []
+        for i in range(0, q.shape[2], block):
+            qi = q[:, :, i:i + block]
+            mask = None
+            if causal:
+                mask = torch.arange(i, i + qi.shape[2])[:, None] >= torch.arange(
+                    k.shape[2])
+            rows.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask))
+        return torch.cat(rows, dim=2)
+
     def double_blocks(q, k, v, block, causal=False):  # twice the allowed keys
         return via_split(q, k, v, 2 * block, causal)
 
@@ -292,6 +321,7 @@ def test_wrong_blockwise_fail():
     fails(check, float32_inside, "float32's rounding only")
     fails(check, library, "37 keys at once", "never (S x S)")
     fails(check, query_blocks_all_keys, "37 keys at once")
+    fails(check, query_blocks_fused, "37 keys at once", "one block of at most")
     fails(check, cached_by_shape, "equal to scaled_dot_product_attention")
     fails(check, double_blocks, "at most 8 keys at once", "(S x 2 block)")
     fails(check, one_more_key, "at most 8 keys at once")

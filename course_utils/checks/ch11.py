@@ -56,15 +56,23 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+# operators that move keys about without computing with them
+_MOVES_KEYS = {"index_select", "index", "gather", "take", "masked_select",
+               "constant_pad_nd", "cat", "stack", "copy_", "copy", "new_empty",
+               "new_zeros", "new_full", "new_ones", "empty_like", "zeros_like",
+               "repeat", "repeat_interleave", "narrow_copy", "slice_copy",
+               "split_with_sizes_copy", "unbind_copy", "detach"}
+
+
 class _Watch(TorchDispatchMode):
     """Catches an operator that handles more than ``block`` keys at once.
 
     The cases keep batch, heads and the head size at most ``block``, so a
     created tensor with two dimensions above ``block`` holds more than a
     block's scores (the query rows times too many keys), and an operator that
-    computes (not merely views) with more than ``block`` rows of k or v, and
-    makes a tensor with a dimension above ``block``, uses too many keys at
-    once, as a fused attention kernel does.
+    computes (not merely views, copies, pads or indexes) with more than
+    ``block`` rows of k or v uses too many keys at once, as a fused attention
+    kernel does, even on a block of queries only.
     """
 
     def __init__(self, block: int, keys: tuple[torch.Tensor, ...]):
@@ -88,10 +96,14 @@ class _Watch(TorchDispatchMode):
                                       for o in outs):
                 # a copy, a cast or a transposed copy of k or v: follow it
                 self.keys |= {_storage(o) for o in outs}
-            elif any(max(o.shape, default=0) >= self.limit for o in outs):
+            elif name in _MOVES_KEYS:
+                # a block taken out of k or v (index_select, say), or k or v
+                # padded or joined: follow what is still long
+                self.keys |= {_storage(o) for o in outs
+                              if max(o.shape, default=0) >= self.limit}
+            else:  # it computes with every key: a fused attention on all of k
                 self.big = (name, f"{max(t.shape)} keys at once, shape "
                                   f"{tuple(t.shape)}")
-            # else it took a block out of k or v (index_select, say): fine
         for t in outs:
             if sum(1 for n in t.shape if n >= self.limit) >= 2:
                 self.big = (name, f"a tensor of shape {tuple(t.shape)}")
