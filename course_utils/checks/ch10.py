@@ -704,6 +704,10 @@ def _parallelize_per_linear(model, mesh, sequence_parallel: bool,
 
 
 DEPTHS = (1, 3)
+# depths asked but not measured: every block adds the same collectives, so the
+# counts there follow from the two measured depths (a table of the measured
+# depths, or a formula that only fits them, shows)
+EXTRA_DEPTHS = (2, 6)
 MODES = tuple((sp, lp) for sp in (False, True) for lp in (False, True))
 
 
@@ -841,5 +845,23 @@ def check_predicted_counts(predict_collectives: Callable) -> None:
         if got != want:
             fail(ex, f"{want} ({case}, measured on 2 ranks)", f"{got}",
                  _counts_hint(got, depth, sp, lp, measured, answers))
-    passed(ex, f"{len(measured)} configurations at depths {DEPTHS}: every count "
-               "predicted.")
+    low, high = DEPTHS
+    for depth in EXTRA_DEPTHS:
+        for sp, lp in MODES:
+            case = f"n_layers={depth}, sequence_parallel={sp}, loss_parallel={lp}"
+            first, last = (measured[(d, sp, lp)][0] for d in DEPTHS)
+            want = {c: first.get(c, 0) + (last.get(c, 0) - first.get(c, 0))
+                    * (depth - low) // (high - low) for c in COLLECTIVES}
+            with time_limit(answer_limit(ex)):
+                got = _as_counts(ex, call_learner(
+                    ex, predict_collectives, depth, sp, lp, hints={
+                        "took longer than": "your function did not return: look "
+                        "for a loop whose condition never changes"}), case)
+            if got != want:
+                fail(ex, f"{want} ({case}: each block adds the same collectives as "
+                     f"from depth {low} to {high})", f"{got}",
+                     "right at the measured depths only: write the counts as a "
+                     "rule in n_layers (what the embedding and the output layer "
+                     "pay once, plus the same per block), not a table")
+    passed(ex, f"{len(measured)} configurations at depths {DEPTHS}, and depths "
+               f"{EXTRA_DEPTHS} from the same rule: every count predicted.")
