@@ -881,7 +881,8 @@ def _time(model, lay, gpu, seq, batch):
 
 
 def _candidates(model, n, seq, batch, *, pp_divides=False, cps=True, eps=True,
-                scheds=SCHEDS, recomputes=("none", "selective", "full"), kv=True):
+                scheds=SCHEDS, recomputes=("none", "selective", "full"), kv=True,
+                keep=None):
     for tp, cp, pp in itertools.product(range(1, 9), range(1, n + 1),
                                         range(1, model.layers // 2 + 1)):
         if n % (tp * cp * pp) or model.heads % tp or (kv and model.kv_heads % tp):
@@ -897,8 +898,10 @@ def _candidates(model, n, seq, batch, *, pp_divides=False, cps=True, eps=True,
         for ep, (sched, v), rc in itertools.product(ep_list, scheds, recomputes):
             if (pp == 1 and sched != "1f1b") or v > model.layers // pp:
                 continue
-            yield planner.Layout(dp, tp, pp, cp=cp, ep=ep, recompute=rc,
+            lay = planner.Layout(dp, tp, pp, cp=cp, ep=ep, recompute=rc,
                                  schedule=sched, virtual=v)
+            if keep is None or keep(lay):
+                yield lay
 
 
 def _best(model, gpu, n, seq, batch, target, cap=None, **kw):
@@ -1026,6 +1029,20 @@ def wrong_plan_shortcut(model, gpu, n, seq, batch, target):
     return rows[0].layout if rows else None
 
 
+def wrong_tp_powers_of_two(model, gpu, n, seq, batch, target):  # tp in 1, 2, 4, 8
+    return _best(model, gpu, n, seq, batch, target, keep=lambda x: x.tp in (1, 2, 4, 8))
+
+
+def wrong_cp_powers_of_two(model, gpu, n, seq, batch, target):
+    return _best(model, gpu, n, seq, batch, target,
+                 keep=lambda x: x.cp & (x.cp - 1) == 0)
+
+
+def wrong_pp_below_half(model, gpu, n, seq, batch, target):  # range(1, layers // 2)
+    return _best(model, gpu, n, seq, batch, target,
+                 keep=lambda x: x.pp < model.layers // 2)
+
+
 _BY_MODEL = {}
 
 
@@ -1061,6 +1078,8 @@ WRONG_LAYOUT = {
     wrong_tokens_per_gpu: "not per GPU", wrong_fixed_gpus: "dp x cp x tp x pp",
     wrong_tuple: "a planner.Layout", wrong_plan_shortcut: "", wrong_memo_by_model: "",
     wrong_endless_loop: "never ends", wrong_reads_expected: "reads the checker",
+    wrong_tp_powers_of_two: "split 3 or 6 ways", wrong_cp_powers_of_two: "3 and 6",
+    wrong_pp_below_half: "model.layers // 2 itself",
 }
 
 

@@ -409,6 +409,11 @@ def check_pp_tp_stage(pp_tp_stage: Callable) -> None:
 
 # ---------------------------------------------------------------- exercise 13.2
 
+# a model whose heads and K/V heads divide by 3 and 6: degrees not powers of two
+HEADS_48 = planner.Decoder("a 48-head model", 48, 6144, 24576, 48, 12, 50304)
+# few wide layers: the deepest pipeline allowed is the fastest that fits
+WIDE_12 = planner.Decoder("a 12-layer model", 12, 12288, 49152, 96, 8, 50304)
+
 # (model, gpu, GPUs, seq, global batch, minimum tokens/s)
 LAYOUT_CASES = (
     (planner.LLAMA3_8B, "h100_sxm", 64, 8192, 512, 0.0),
@@ -422,6 +427,9 @@ LAYOUT_CASES = (
     (planner.LLAMA3_70B, "a100_sxm_80gb", 128, 4096, 64, 0.0),
     (planner.LLAMA2_7B, "h100_sxm", 24, 2048, 24, 0.0),
     (planner.LLAMA3_8B, "t4", 16, 2048, 64, 3.0e3),  # met in all, not per GPU
+    (HEADS_48, "l4", 48, 4096, 16, 0.0),  # tp 6
+    (HEADS_48, "h100_sxm", 72, 12288, 36, 0.0),  # cp 6
+    (WIDE_12, "t4", 48, 2048, 48, 0.0),  # pp 6: two layers a stage
 )
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zero-bubble", 1))
 
@@ -499,7 +507,19 @@ def _layout_errors(model, got, n, seq, batch):
 
 
 # what a search left out, the hint for it, and which layouts it then keeps
+def _power_of_two(k: int) -> bool:
+    return k & (k - 1) == 0
+
+
 SEARCH_GAPS = (
+    ("try every tp that divides the heads, up to 8: this model's split 3 or 6 "
+     "ways, not only in powers of two", lambda m, x: _power_of_two(x.tp)),
+    ("try every cp that divides half the sequence: 3 and 6 may, not only powers "
+     "of two", lambda m, x: _power_of_two(x.cp)),
+    ("try every divisor of the GPU count: degrees need not be powers of two",
+     lambda m, x: all(_power_of_two(k) for k in (x.dp, x.tp, x.pp, x.cp, x.ep))),
+    ("pp goes up to model.layers // 2 itself (stages of two layers)",
+     lambda m, x: x.pp < m.layers // 2),
     ("pipeline depths need not divide the layers: the planner makes uneven "
      "stages, the ends lighter", lambda m, x: m.layers % x.pp == 0),
     ("try context parallelism: it splits each long sequence",
@@ -558,8 +578,9 @@ def judge_layout(case, got) -> None:
         fail(ex, f"a layout ({where})", "None",
              f"{best[1]} fits and makes {fast:.3g} tokens/s in all: the target is "
              "the global batch's tokens per second, not per GPU" if fast / n < target
-             else "a layout fits and is fast enough: search every allowed dp, cp, "
-             "tp, pp and ep, sharded or not, each recomputation and schedule")
+             else _search_hint(case, None) + "a layout fits and is fast enough: "
+             "search every allowed dp, cp, tp, pp and ep, each recomputation and "
+             "schedule")
     if not isinstance(got, planner.Layout):
         fail(ex, f"a planner.Layout ({where})", f"a {type(got).__name__}",
              "return planner.Layout(dp, tp, pp, cp=..., ep=..., sharded=..., "
