@@ -886,7 +886,7 @@ def test_applies_that_bind_late_pool_or_overwrite_fail():
     def late_bound_index(fns, inputs, timeout=60):
         out = [None] * len(fns)
         threads = [threading.Thread(target=lambda: out.__setitem__(
-            i, fns[i](*inputs[i])), daemon=True) for i in range(len(fns))]
+            i, fns[i](*inputs[i])), daemon=True) for i in range(len(fns))]  # noqa: B023
         for t in threads:
             t.start()
         for t in threads:
@@ -940,4 +940,5 @@ def test_predictions_with_a_state_miscounted_name_it():
     fails(ch05.check_predict_dp_bytes, momentum_without_state, "momentum keeps one")
     fails(ch05.check_predict_dp_bytes, adam_with_one_state, "Adam two")
     fails(ch05.check_predict_dp_bytes, adam_step_counters_counted, "step counters")
-    fails(ch05.check_predict_dp_bytes, parameters_of_every_module, "each parameter once")
+    fails(ch05.check_predict_dp_bytes, parameters_of_every_module,
+          "each parameter once")

@@ -1067,7 +1067,8 @@ def step_one_micro_batch_at_a_time(stage, rank, x, y, m, hidden):
         else:
             h = torch.empty(len(yi), hidden, dtype=x.dtype)
             dist.recv(h, 0)
-            part = F.mse_loss(stage(h.requires_grad_()), yi, reduction="sum") / y.numel()
+            out = stage(h.requires_grad_())
+            part = F.mse_loss(out, yi, reduction="sum") / y.numel()
             part.backward()
             dist.send(h.grad, 0)
             total += part.item()
