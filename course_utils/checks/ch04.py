@@ -41,6 +41,7 @@ from course_utils.exercises import (
     fail,
     passed,
     require_solution,
+    slowdown,
 )
 
 _BEFORE: set[int] = set()  # children that were there before the check began
@@ -201,7 +202,7 @@ MAP_CASES = [  # values, processes
 SLOW_S = 1.0
 HOLD = "hold"  # the items after a failing one wait until the checker has looked
 HOLD_S = 5.0  # or this long after the error: stray workers are busy when it looks
-STRAY_WAIT_S = 0.5  # a terminated or joined worker is gone by then
+STRAY_WAIT_S = 0.5  # a terminated or joined worker is gone by then (quiet)
 BIG_BYTES = 512 * 1024  # a result larger than a pipe's buffer (64 KiB on Linux)
 
 
@@ -318,7 +319,7 @@ def check_process_map(process_map) -> None:
                  f"it returned {got!r:.60}", "catch the exception in the worker, "
                  "send it back with the item's index, and raise it in process_map")
         _no_orphans(ex, "a task that raises (the workers still had slow items)",
-                    STRAY_WAIT_S)
+                    STRAY_WAIT_S * max(1.0, slowdown()))
     finally:  # releases the held items of workers nobody stopped (now killed)
         shutil.rmtree(meet_dir, ignore_errors=True)
     chain = [got, got.__cause__, None if got.__suppress_context__ else got.__context__]
