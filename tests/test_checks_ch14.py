@@ -327,7 +327,7 @@ def _tp_answer(contiguous=False, world_fixed=None, skip_attn_reduce=False,
                reduce_after_up=False, bias_every_rank=False, no_up_bias=False,
                gather_sum=False, no_cache=False, shift_logits=False,
                reduce_logits=False, extra_forward=False, last_only=False,
-               functional=False):
+               functional=False, whole_wo=False, whole_down=False):
     @torch.no_grad()
     def answer(model, prompt, steps):
         import torch.distributed as dist
@@ -364,17 +364,29 @@ def _tp_answer(contiguous=False, world_fixed=None, skip_attn_reduce=False,
                 t = k.shape[2]
                 mask = torch.ones(s, t, dtype=torch.bool).tril(t - s)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                part = F.linear(out.transpose(1, 2).reshape(b, s, -1), wo)
-                if not skip_attn_reduce:
+                out = out.transpose(1, 2).reshape(b, s, -1)
+                if whole_wo:  # heads gathered by a zero-padded all-reduce
+                    full = out.new_zeros(b, s, block.attn.wo.weight.shape[1])
+                    full[..., rank * out.shape[-1]:(rank + 1) * out.shape[-1]] = out
+                    part = block.attn.wo(reduce(full))
+                else:
+                    part = F.linear(out, wo)
+                if not (skip_attn_reduce or whole_wo):
                     part = reduce(part)
                 h = h + part
                 mid = F.linear(block.norm2(h), up, None if no_up_bias else up_b)
                 if reduce_after_up:
                     mid = reduce(mid)
-                part = F.linear(block.mlp[1](mid), down)
+                if whole_down:  # the hidden gathered, then the whole mlp.2
+                    mid = block.mlp[1](mid)
+                    full = mid.new_zeros(b, s, block.mlp[2].weight.shape[1])
+                    full[..., rank * mid.shape[-1]:(rank + 1) * mid.shape[-1]] = mid
+                    part = F.linear(reduce(full), block.mlp[2].weight)
+                else:
+                    part = F.linear(block.mlp[1](mid), down)
                 if bias_every_rank:
                     part = part + block.mlp[2].bias
-                if not reduce_after_up:
+                if not (reduce_after_up or whole_down):
                     part = reduce(part)
                 h = h + part + (0 if bias_every_rank else block.mlp[2].bias)
             if last_only:
@@ -467,6 +479,8 @@ WRONG_TP = {
     "wrong_recomputes": (_tp_answer(no_cache=True), "FLOPs"),
     "wrong_shifted_logits": (_tp_answer(shift_logits=True), "one process"),
     "wrong_reduced_logits": (_tp_answer(reduce_logits=True), "one process"),
+    "wrong_whole_wo": (_tp_answer(whole_wo=True), "FLOPs"),
+    "wrong_whole_down": (_tp_answer(whole_down=True), "FLOPs"),
 }
 
 
