@@ -305,6 +305,22 @@ def test_wrong_blockwise_fail():
             rows.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask))
         return torch.cat(rows, dim=2)
 
+    def keeps_every_block(q, k, v, block, causal=False):  # one softmax at the end
+        pos, scores = torch.arange(q.shape[2])[:, None], []
+        for a in range(0, k.shape[2], block):
+            sc = q @ k[:, :, a:a + block].mT / math.sqrt(q.shape[-1])
+            if causal:
+                sc = sc.masked_fill(pos < torch.arange(a, a + sc.shape[-1]),
+                                    float("-inf"))
+            scores.append(sc)
+        top = scores[0].amax(-1, keepdim=True)
+        for sc in scores[1:]:
+            top = torch.maximum(top, sc.amax(-1, keepdim=True))
+        total = sum(torch.exp(sc - top).sum(-1, keepdim=True) for sc in scores)
+        return sum(torch.exp(sc - top) @ v[:, :, a:a + block]
+                   for sc, a in zip(scores, range(0, k.shape[2], block),
+                                    strict=True)) / total
+
     def double_blocks(q, k, v, block, causal=False):  # twice the allowed keys
         return via_split(q, k, v, 2 * block, causal)
 
@@ -322,6 +338,7 @@ def test_wrong_blockwise_fail():
     fails(check, library, "37 keys at once", "never (S x S)")
     fails(check, query_blocks_all_keys, "37 keys at once")
     fails(check, query_blocks_fused, "37 keys at once", "one block of at most")
+    fails(check, keeps_every_block, "block 8", "alive at once", "let its scores go")
     fails(check, cached_by_shape, "equal to scaled_dot_product_attention")
     fails(check, double_blocks, "at most 8 keys at once", "(S x 2 block)")
     fails(check, one_more_key, "at most 8 keys at once")

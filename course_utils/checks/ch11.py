@@ -3,7 +3,8 @@
 11.1 runs the learner's block-by-block attention on odd sequence lengths,
 causal and not, float64, float32 and bfloat16, large scores included, against
 PyTorch's attention, and watches every tensor it creates (a dispatch mode) so
-that computing with more than ``block`` keys at once is caught. 11.2 checks a
+that computing with more than ``block`` keys at once, or keeping every block's
+scores alive, is caught. 11.2 checks a
 capacity-limited MoE dispatch plan against the checker's own rule on 2, 3 and
 4 ranks with skewed routing (int64 and int32 choices, watched for changes,
 asked twice), then runs the real exchange (``all_to_all_single``, uneven
@@ -16,6 +17,7 @@ learner's prediction.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +80,15 @@ class _Watch(TorchDispatchMode):
     def __init__(self, block: int, keys: tuple[torch.Tensor, ...]):
         super().__init__()
         self.limit, self.keys, self.big = block + 1, {_storage(t) for t in keys}, None
+        self.made, self.peak = [], 0  # tensors it made (held weakly), elements alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.made = [r for r in self.made if r() is not None] + [
+            weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        alive = {_storage(t): t.untyped_storage().nbytes() // t.element_size()
+                 for t in (r() for r in self.made) if t is not None}
+        self.peak = max(self.peak, sum(alive.values()))
         if self.big is not None:
             return out
         name = str(func).split(".")[1] if "." in str(func) else str(func)
@@ -122,7 +130,12 @@ ATTENTION_CASES = [
     (1, 2, 33, 8, 9, True, torch.bfloat16, 1.0),
     (1, 1, 20, 8, 64, True, torch.float64, 1.0),  # one block holds every key
     (1, 2, 37, 8, 8, False, torch.float64, 1.0),  # the first case's shape, new data
+    (1, 1, 200, 4, 8, True, torch.float64, 1.0),  # 25 blocks: all their scores kept show
 ]
+# elements alive at once, in units of one block's scores (S x max(block, d) per
+# batch and head): a right answer keeps under 8 (q, k, v, the output, the
+# log-sum-exp and a block's temporaries); every block's scores kept is S / block
+ALIVE_BLOCKS = 12
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 4e-2}
 
 
@@ -206,6 +219,13 @@ def check_blockwise_attention(blockwise_attention) -> None:
         if got.dtype != dtype:
             fail(ex, f"an output of dtype {dtype} ({case})", f"{got.dtype}",
                  "keep the inputs' dtype: no float32-only or float64-only code")
+        alive = watch.peak / (b * h * s * max(block, d))
+        if block < s and alive > ALIVE_BLOCKS:
+            fail(ex, f"at most a few blocks' scores alive at once ({case})",
+                 f"{alive:.0f} times a block's scores (S x block) alive at once",
+                 "merge each block into the running output and log-sum-exp as you "
+                 "go, and let its scores go: every block's scores kept is the S x S "
+                 "matrix in pieces")
         tol = TOLERANCE[dtype]
         diff = (got.double() - want).abs().nan_to_num(float("inf")).max().item()
         if diff > tol * max(1.0, want.abs().max().item()):
@@ -214,8 +234,8 @@ def check_blockwise_attention(blockwise_attention) -> None:
                  _attention_hint(q.double(), k.double(), v.double(), got, causal,
                                  block))
     passed(ex, f"{len(ATTENTION_CASES)} cases, causal and not, odd lengths, "
-               "float64, float32 and bfloat16: exact to rounding, and never more "
-               "than a block of keys at once.")
+               "float64, float32 and bfloat16: exact to rounding, never more than "
+               "a block of keys at once, nor every block's scores kept.")
 
 
 # ---------------------------------------------------------------- exercise 11.2
