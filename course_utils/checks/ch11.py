@@ -130,7 +130,7 @@ ATTENTION_CASES = [
     (1, 2, 33, 8, 9, True, torch.bfloat16, 1.0),
     (1, 1, 20, 8, 64, True, torch.float64, 1.0),  # one block holds every key
     (1, 2, 37, 8, 8, False, torch.float64, 1.0),  # the first case's shape, new data
-    (1, 1, 200, 4, 8, True, torch.float64, 1.0),  # 25 blocks: all their scores kept show
+    (1, 1, 200, 4, 8, True, torch.float64, 1.0),  # 25 blocks: keeping all scores shows
 ]
 # elements alive at once, in units of one block's scores (S x max(block, d) per
 # batch and head): a right answer keeps under 8 (q, k, v, the output, the
