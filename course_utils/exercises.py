@@ -246,10 +246,10 @@ def require_solution(exercise: str, fn) -> None:
 # that hangs still gets its verdict. Each limit is derived from the reference
 # solution's own run: ``python -m course_utils.stability --record`` times every
 # solution's check on a quiet machine and stores those seconds, with the time a
-# fixed probe took there, in reference_data/answer_times.json. Here the probe is
+# fixed probe took there, in course_utils/answer_times.json. Here the probe is
 # timed again, so a slower or busier machine gets a proportionally longer limit.
 
-ANSWER_TIMES = Path(__file__).parent / "reference_data" / "answer_times.json"
+ANSWER_TIMES = Path(__file__).parent / "answer_times.json"
 RATIO = 2.5  # an answer may take this many times the reference's whole check
 FLOOR_S = 5.0  # and never less: starting processes and imports vary most
 _SLOWDOWN: list[float] = []  # [when measured, value]

@@ -14,7 +14,7 @@ laptop would.
 
 ``--record`` runs each check once instead and writes what every solution's
 check took, with ``exercises.probe_s()`` timed around the run, to
-``course_utils/reference_data/answer_times.json``: the times the checkers'
+``course_utils/answer_times.json``: the times the checkers'
 limits for a learner's answer are derived from (``exercises.answer_limit``).
 Record on a quiet machine; a run that other programs disturbed is refused.
 """
