@@ -341,6 +341,18 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+NEVER_RETURNED = "your function did not return: look for a loop that never ends"
+
+
+def call_in_time(exercise: str, fn: Callable, *args,
+                 hints: dict[str, str] | None = None):
+    """``call_learner`` within ``answer_limit(exercise)`` (``time_limit``), an
+    answer that never returns told so."""
+    with time_limit(answer_limit(exercise)):
+        return call_learner(exercise, fn, *args,
+                            hints={"took longer than": NEVER_RETURNED, **(hints or {})})
+
+
 _FRAME = re.compile(r"^\s+(\S+) \((\S+), line (\d+)\)$", re.M)
 _DIST_FILES = ("distributed_c10d.py", "c10d_logger.py")
 

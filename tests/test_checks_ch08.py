@@ -1221,33 +1221,6 @@ def offload_hooks_never_closed(fn, x, folder):  # entered, never left
     return fn(x)
 
 
-class OffloadToDisk(torch.autograd.graph.saved_tensors_hooks):  # right: a subclass
-    def __init__(self, folder):
-        self.folder = folder
-        super().__init__(self.pack, self.unpack)
-
-    def pack(self, t):
-        fd, path = tempfile.mkstemp(dir=self.folder)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(t, f)
-        return path
-
-    def unpack(self, path):
-        try:
-            return torch.load(path, weights_only=True)
-        finally:
-            os.unlink(path)
-
-
-def offload_with_a_hooks_class(fn, x, folder):
-    with OffloadToDisk(folder):
-        return fn(x)
-
-
-def test_offload_with_a_hooks_class_passes():
-    ch08.check_offloaded(offload_with_a_hooks_class)
-
-
 @pytest.mark.parametrize("fn, words", [
     (offload_grad_tensors_only, ["the input x too", "still held in memory"]),
     (offload_hooks_never_closed, ["still set after", "context manager"]),

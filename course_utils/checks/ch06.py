@@ -29,15 +29,8 @@ from course_utils.exercises import (
     fail,
     passed,
     require_solution,
-    where_ranks_waited,
+    stuck,
 )
-
-
-def _stuck(e: BaseException) -> str:
-    """A launch timeout's first line and what each unfinished rank was doing."""
-    where = where_ranks_waited(e)
-    return str(e).splitlines()[0] + (f": {where}" if where else "")
-
 
 LATE_S = 0.4  # at most how late one rank arrives in 6.3
 HOLD_CAP_S = 12  # rank 0's write waits at most this for the others to wait for it
@@ -67,7 +60,7 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
         fail(exercise, "every rank to finish", first[:200],
              "read the rank's traceback above")
     except LaunchTimeout as e:
-        fail(exercise, "every rank to finish", _stuck(e),
+        fail(exercise, "every rank to finish", stuck(e),
              stuck_hint or "every rank must call the same collectives, in the "
              "same order")
 
@@ -497,12 +490,12 @@ def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
             "contiguous chunks to send", "a non-contiguous tensor sent",
             "split the flat tensor (tensor.view(-1)), not a column"),
     }
-    stuck = ("a rank waited for a message that never came: with n = "
+    never_came = ("a rank waited for a message that never came: with n = "
              "dist.get_world_size(), every rank sends to (rank + 1) % n and "
              "receives from (rank - 1) % n, and posts each receive (dist.irecv) "
              "before it waits on its send")
     gone = ("every rank to receive each message it waits for",
-            "a rank waited for a message its peer never sent", stuck)
+            "a rank waited for a message its peer never sent", never_came)
     known.update({"closed by peer": gone, "reset by peer": gone,
                   "Connection was likely closed": gone,
                   "SIGABRT": ("each message received into a buffer of its size",
@@ -513,7 +506,7 @@ def check_ring_all_reduce(ring_all_reduce: Callable) -> None:
                               "like that chunk (chunks may differ in size by one)")})
     for world_size in (2, 3, 4):
         ranks = _run(ex, _ring_rank, world_size, (ring_all_reduce,), known,
-                     stuck_hint=stuck)
+                     stuck_hint=never_came)
         _judge_ring(ex, ranks, world_size)
     passed(ex, "On 2, 3 and 4 ranks, for float32, float64 and int64 tensors of "
                "sizes that do not divide: the sum of dist.all_reduce, with "

@@ -35,14 +35,8 @@ from course_utils.exercises import (
     fail,
     passed,
     require_solution,
-    where_ranks_waited,
+    stuck,
 )
-
-
-def _stuck(e: BaseException) -> str:
-    """A launch timeout's first line and what each unfinished rank was doing."""
-    where = where_ranks_waited(e)
-    return str(e).splitlines()[0] + (f": {where}" if where else "")
 
 
 def _call_limit(ex: str) -> float:
@@ -325,7 +319,7 @@ def check_two_stage_step(two_stage_step: Callable) -> None:
         fail(ex, "both ranks to finish", first[:240],
              "read the rank's traceback above")
     except LaunchTimeout as e:
-        fail(ex, "both ranks to finish", _stuck(e),
+        fail(ex, "both ranks to finish", stuck(e),
              "a blocking send waits until the other rank receives: if both ranks "
              "send first, or receive first, both wait for ever. Post the receives "
              "in the order the other rank sends (all forwards, then all "
@@ -379,9 +373,9 @@ def simulate(order: list[list[tuple[str, int]]], p: int, m: int):
             pos[s] += 1
             progressed = True
         if not progressed:
-            stuck = {s: order[s][pos[s]] for s in range(p) if pos[s] < len(order[s])}
+            waiting = {s: order[s][pos[s]] for s in range(p) if pos[s] < len(order[s])}
             raise ValueError(f"deadlock: each stage waits for an op that never runs "
-                             f"({stuck})")
+                             f"({waiting})")
     return max(when.values()) + 1, when
 
 
@@ -548,7 +542,7 @@ def check_one_f_one_b(one_f_one_b: Callable) -> None:
                                          timeout=answer_limit(ex), backend="gloo")]
     except (RankFailed, LaunchTimeout) as e:
         fail(ex, f"your orders to run on {p} processes",
-             _stuck(e) if isinstance(e, LaunchTimeout)
+             stuck(e) if isinstance(e, LaunchTimeout)
              else str(e).splitlines()[0][:200],
              "a schedule that passes the simulator should run: check every stage's "
              "list")
