@@ -39,7 +39,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_utils import build
+from course_utils import build, exercises, grade
 
 ROOT = build.ROOT
 CONF_DIR = ROOT / "book"
@@ -135,8 +135,11 @@ def execute(source: Path, runs: Path = RUNS, force: bool = False) -> Path:
         # a local socket file, not TCP on a port: nothing to listen on
         km = KernelManager(kernel_name="python3", transport="ipc",
                            ip=os.path.join(cwd, "kernel"))
+        # seconds on a quiet machine, stretched as course_utils.grade does
+        stretch = max(1.0, exercises.slowdown())
         client = NotebookClient(
-            nb, km=km, timeout=CELL_TIMEOUT_S, startup_timeout=120,
+            nb, km=km, timeout=round(CELL_TIMEOUT_S * stretch),
+            startup_timeout=round(grade.STARTUP_S * stretch),
             allow_errors=True, store_widget_state=True,
             resources={"metadata": {"path": cwd}})
         # the kernel, and every process it starts, imports this course's

@@ -27,6 +27,7 @@ from pathlib import Path
 REPORT_ENV = "COURSE_NBVAL_REPORT"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 DEFAULT_TIMEOUT = 120  # seconds a single cell may run before it counts as hung
+STARTUP_S = 120  # seconds a fresh kernel may take to answer (nbval's own is 60)
 
 
 @dataclass
@@ -91,7 +92,15 @@ except ImportError:  # pragma: no cover - pytest is in requirements.txt
 def run_notebooks(
     paths: list[Path | str], timeout: int = DEFAULT_TIMEOUT, quiet: bool = True
 ) -> list[CellOutcome]:
-    """Run notebooks under ``pytest --nbval``; return every code cell's outcome."""
+    """Run notebooks under ``pytest --nbval``; return every code cell's outcome.
+
+    Both limits, a cell's ``timeout`` and a kernel's start, are seconds on a
+    quiet machine: a busy one stretches them by how much slower it runs now
+    (``exercises.slowdown``), so a loaded laptop is not told its cell hung.
+    """
+    from course_utils.exercises import slowdown
+
+    stretch = max(1.0, slowdown())
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "cells.jsonl"
         env = dict(os.environ, **{REPORT_ENV: str(report)})
@@ -101,7 +110,8 @@ def run_notebooks(
             "pytest",
             "--nbval",
             "--nbval-current-env",
-            f"--nbval-cell-timeout={timeout}",
+            f"--nbval-cell-timeout={round(timeout * stretch)}",
+            f"--nbval-kernel-startup-timeout={round(STARTUP_S * stretch)}",
             "-p",
             "course_utils.grade",
             "-p",
