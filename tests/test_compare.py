@@ -232,7 +232,9 @@ def test_a_meter_judges_a_short_block_over_its_first_tenth_of_a_second(monkeypat
     start = time.perf_counter()
     with cmp.Meter() as busy:
         time.sleep(0.02)
-    assert busy.wall_s < 0.09 <= time.perf_counter() - start
+    total = time.perf_counter() - start
+    # the block's own time is kept; the meter waited out the tenth of a second
+    assert 0.02 <= busy.wall_s < total and total >= 0.1
     assert busy.others_cores is not None and busy.others_cores > 1.0
     assert busy.disturbed
     monkeypatch.setattr(cmp, "_machine_busy_s", lambda: None)  # not Linux
