@@ -984,13 +984,15 @@ check_hidden_fraction(hidden_fraction, merged)
 # entries (the `"entries"` list of a dump, as in Section 3). Entries of
 # point-to-point operations (`"is_p2p": True`) do not count. Two ranks agree on
 # a collective when they have an entry with the same `collective_seq_id` and
-# the same `profiling_name` and `input_sizes`. A ring buffer keeps only the
+# the same `profiling_name` and `input_sizes` (the shape of each input tensor,
+# in order: a collective may take several). A ring buffer keeps only the
 # last entries, so the ranks' lists may start at different sequence numbers:
 # compare only from the first number that every rank still holds. Return
 # `None` when the ranks agree on every number from there to the largest one
 # any rank holds; otherwise `(seq, entries)`, where `seq` is the first number
 # at which they do not, and `entries` maps every rank to its entry with that
-# number (or `None` if it has none).
+# number (or `None` if it has none). The dumps are the evidence of a hang:
+# read them without changing them.
 
 # %% tags=["exercise"] exercise="12.2"
 def first_mismatch(dumps):

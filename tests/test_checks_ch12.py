@@ -3,6 +3,7 @@ with a message that names the mistake."""
 
 import os
 import pickle
+import warnings
 from collections import defaultdict
 from datetime import timedelta
 
@@ -461,9 +462,29 @@ def mismatch_as_list(dumps):
     return None if found is None else [np.int64(found[0]), dict(found[1])]
 
 
+def mismatch_tuples(dumps):
+    """Signatures as tuples of tuples, ranks walked in a sorted list."""
+    ranks = sorted(dumps)
+    seqs = [{e["collective_seq_id"]: e for e in dumps[r] if not e["is_p2p"]}
+            for r in ranks]
+    if not any(seqs):
+        return None
+    lo = max(min(s) for s in seqs if s)
+    hi = max(max(s) for s in seqs if s)
+    seq = lo
+    while seq <= hi:
+        row = [s.get(seq) for s in seqs]
+        sigs = {e and (e["profiling_name"], tuple(tuple(x) for x in e["input_sizes"]))
+                for e in row}
+        if len(sigs) != 1 or None in sigs:
+            return (seq, dict(zip(ranks, row, strict=True)))
+        seq += 1
+    return None
+
+
 @pytest.mark.parametrize("fn", [mismatch_solution, mismatch_defaultdict,
                                 MismatchFinder(), mismatch_pairwise,
-                                mismatch_as_list])
+                                mismatch_as_list, mismatch_tuples])
 def test_right_first_mismatch_pass(fn, real_dumps):
     ch12.check_first_mismatch(fn, real_dumps)
 
@@ -586,7 +607,38 @@ def test_wrong_first_mismatch_fail(real_dumps):
                     "collective_seq_id"] == seq), None) for r, es in dumps.items()}
         return None
 
+    def output_sizes(dumps):
+        return mismatch_solution({r: [dict(e, input_sizes=e["output_sizes"])
+                                      for e in es] for r, es in dumps.items()})
+
+    def first_tensor(dumps):
+        return mismatch_solution({r: [dict(e, input_sizes=e["input_sizes"][:1])
+                                      for e in es] for r, es in dumps.items()})
+
+    def sorted_dims(dumps):  # the dimensions as a set, each shape forgotten
+        return mismatch_solution({r: [dict(e, input_sizes=sorted(
+            d for shape in e["input_sizes"] for d in shape)) for e in es]
+            for r, es in dumps.items()})
+
+    def first_three(dumps):
+        return mismatch_solution({r: dumps[r] for r in sorted(dumps)[:3]})
+
+    def pops_p2p(dumps):  # right, but strips the evidence out of the dumps
+        for entries in dumps.values():
+            entries[:] = [e for e in entries if not e["is_p2p"]]
+        return mismatch_solution(dumps)
+
+    def sorts_in_place(dumps):
+        for entries in dumps.values():
+            entries.sort(key=lambda e: e["collective_seq_id"])
+            for e in entries:
+                e.pop("frames", None)
+        return mismatch_solution(dumps)
+
     cases = [
+        (output_sizes, "not output_sizes"), (first_tensor, "not only the first"),
+        (sorted_dims, "as it is"), (first_three, "every rank"),
+        (pops_p2p, "without changing them"), (sorts_in_place, "without changing"),
         (whole_entries, "differ between ranks that agree"),
         (by_record_id, "Pair entries by collective_seq_id"),
         (by_position, "sequence number"), (names_only, "sizes"),
@@ -740,6 +792,51 @@ def load_stateful(ckpt_dir, model, optimizer, scheduler):
     return max(done)
 
 
+def _numbered_state(model, optimizer, scheduler, step=0):
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state,
+            "scheduler": scheduler.state_dict(), "step": step}
+
+
+def save_numbered_dirs(ckpt_dir, step, model, optimizer, scheduler):
+    dcp.save(_numbered_state(model, optimizer, scheduler, step),
+             checkpoint_id=f"{ckpt_dir}/{step:05d}")
+
+
+def _load_numbered(ckpt_dir, name, model, optimizer, scheduler, scheduler_too=True):
+    state = _numbered_state(model, optimizer, scheduler)
+    dcp.load(state, checkpoint_id=f"{ckpt_dir}/{name}")
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    if scheduler_too:
+        scheduler.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
+def _complete(ckpt_dir):
+    return sorted(d for d in os.listdir(ckpt_dir)
+                  if os.path.exists(f"{ckpt_dir}/{d}/.metadata"))
+
+
+def load_by_mtime(ckpt_dir, model, optimizer, scheduler):
+    """The newest complete folder by when its .metadata was written."""
+    done = _complete(ckpt_dir)
+    if not done:
+        return 0
+    newest = max(done, key=lambda d: os.stat(f"{ckpt_dir}/{d}/.metadata").st_mtime_ns)
+    return _load_numbered(ckpt_dir, newest, model, optimizer, scheduler)
+
+
+def load_with_fallback(ckpt_dir, model, optimizer, scheduler):
+    """Newest first; a folder that will not load gives way to the one before."""
+    for name in sorted(os.listdir(ckpt_dir), key=int, reverse=True):
+        try:
+            return _load_numbered(ckpt_dir, name, model, optimizer, scheduler)
+        except BaseException:  # noqa: BLE001 - DCP raises CheckpointException
+            continue
+    return 0
+
+
 def test_right_resume_under_torchrun():
     ch12.check_resume(save_solution, load_solution)
     ch12.check_resume(save_torch_rank0, load_torch_rank0)
@@ -747,7 +844,9 @@ def test_right_resume_under_torchrun():
 
 @pytest.mark.parametrize("pair", [(save_split_apis, load_split_apis),
                                   (Checkpointer().save, Checkpointer().load),
-                                  (save_stateful, load_stateful)])
+                                  (save_stateful, load_stateful),
+                                  (save_numbered_dirs, load_by_mtime),
+                                  (save_numbered_dirs, load_with_fallback)])
 def test_right_resume_pass(pair):
     ch12.check_resume(*pair, elastic=False)
 
@@ -878,7 +977,70 @@ def test_wrong_resume_fail():
         scheduler.load_state_dict(state["scheduler"])
         return _read_latest(ckpt_dir)
 
+    def load_oldest_complete(ckpt_dir, model, optimizer, scheduler):
+        done = _complete(ckpt_dir)
+        return _load_numbered(ckpt_dir, done[0], model, optimizer,
+                              scheduler) if done else 0
+
+    def load_second_newest(ckpt_dir, model, optimizer, scheduler):  # "to be safe"
+        done = _complete(ckpt_dir)
+        return _load_numbered(ckpt_dir, done[-2] if len(done) > 1 else done[-1],
+                              model, optimizer, scheduler) if done else 0
+
+    def load_no_scheduler_state(ckpt_dir, model, optimizer, scheduler):
+        done = _complete(ckpt_dir)
+        return _load_numbered(ckpt_dir, done[-1], model, optimizer, scheduler,
+                              scheduler_too=False) if done else 0
+
+    def load_replays_scheduler(ckpt_dir, model, optimizer, scheduler):
+        """Steps the scheduler again: the loaded learning rate decays twice."""
+        done = _complete(ckpt_dir)
+        if not done:
+            return 0
+        step = _load_numbered(ckpt_dir, done[-1], model, optimizer, scheduler,
+                              scheduler_too=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(step):
+                scheduler.step()
+        return step
+
+    def save_one_folder(ckpt_dir, step, model, optimizer, scheduler):
+        dcp.save(_numbered_state(model, optimizer, scheduler, step),
+                 checkpoint_id=f"{ckpt_dir}/ckpt")
+
+    def load_one_folder(ckpt_dir, model, optimizer, scheduler):
+        if not os.path.exists(f"{ckpt_dir}/ckpt/.metadata"):
+            return 0
+        return _load_numbered(ckpt_dir, "ckpt", model, optimizer, scheduler)
+
+    remembered = {}
+
+    def save_remembers(ckpt_dir, step, model, optimizer, scheduler):
+        save_numbered_dirs(ckpt_dir, step, model, optimizer, scheduler)
+        remembered["step"] = step
+
+    def load_remembered(ckpt_dir, model, optimizer, scheduler):  # lost with the process
+        if "step" not in remembered:
+            return 0
+        return _load_numbered(ckpt_dir, f"{remembered['step']:05d}", model,
+                              optimizer, scheduler)
+
+    def load_on_rank0(ckpt_dir, model, optimizer, scheduler):
+        done = _complete(ckpt_dir)
+        if dist.get_rank() != 0:
+            return int(done[-1]) if done else 0
+        return _load_numbered(ckpt_dir, done[-1], model, optimizer,
+                              scheduler) if done else 0
+
     cases = [
+        (save_numbered_dirs, load_oldest_complete, "older than"),
+        (save_numbered_dirs, load_second_newest, "older than"),
+        (save_numbered_dirs, load_no_scheduler_state, "scheduler"),
+        (save_numbered_dirs, load_replays_scheduler, "scheduler"),
+        (save_one_folder, load_one_folder, "no .metadata"),
+        (save_remembers, load_remembered, "from the beginning"),
+        (save_numbered_dirs, load_on_rank0, "raised"),
         (save_solution, from_scratch, "from the beginning"),
         (save_model_only, load_model_only, "Adam's moments"),
         (save_no_scheduler, load_no_scheduler, "scheduler"),

@@ -18,6 +18,7 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
@@ -309,9 +310,17 @@ OPS = ["gloo:all_reduce", "gloo:broadcast", "gloo:allgather", "gloo:reduce_scatt
        "gloo:barrier"]
 
 
-def _entry(record_id, seq, p2p_seq, name, sizes, is_p2p=False):
+def _outputs(name, sizes, world):
+    """What a rank's output tensors hold: an all-gather's are world times longer."""
+    if name == "gloo:allgather":
+        return [[world * s[0], *s[1:]] for s in sizes]
+    return [] if name == "gloo:barrier" else [list(s) for s in sizes]
+
+
+def _entry(record_id, seq, p2p_seq, name, sizes, is_p2p=False, outputs=None):
     return {"record_id": record_id, "collective_seq_id": seq, "p2p_seq_id": p2p_seq,
-            "profiling_name": name, "input_sizes": sizes, "output_sizes": sizes,
+            "profiling_name": name, "input_sizes": sizes,
+            "output_sizes": sizes if outputs is None else outputs,
             "is_p2p": is_p2p, "state": "scheduled", "frames": [],
             "process_group": ("0", "default_pg"), "timeout_ms": 2000, "retired": False}
 
@@ -323,9 +332,12 @@ def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
 
     ``kind``: "none" (all agree), "skip" (a rank skips collective ``where``),
     "swap" (a rank runs another operation there), "resize" (same operation,
-    other sizes), "reshape" (same operation and element count, another
-    shape), "extra" (a rank runs one collective more at the end). ``bad`` is
-    the rank with the bug (drawn from the seed when None).
+    the input one longer, the outputs unchanged; "resize2": the second of two
+    inputs), "reshape" (same operation and element count, another shape),
+    "transpose" (the second of two inputs, [a, b], given as [b, a]), "extra"
+    (a rank runs one collective more at the end). Other collectives may take
+    two tensors, the second 2-D. ``bad`` is the rank with the bug (drawn from
+    the seed when None).
     ``where`` may count from the end (-2: the second last). ``buffer`` keeps
     the last entries only, like the ring buffer; ``p2p_ranks`` get
     point-to-point entries between their collectives (so their buffers hold
@@ -336,31 +348,44 @@ def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
     program = [(rng.choice(OPS), [[rng.randint(1, 64)]]) for _ in range(n)]
     where = rng.randint(1, n - 2) if where is None else where % n
     bad = rng.randrange(world) if bad is None else bad
+    shapes = random.Random(seed + 7919)  # the same programs as before, more shapes
+    for i, (name, sizes) in enumerate(program):
+        if i != where and shapes.random() < 0.3:  # two tensors, the second 2-D
+            program[i] = (name, sizes + [[shapes.randint(2, 9), shapes.randint(2, 9)]])
+    n_last = program[where][1][-1][0]
     if kind == "reshape":  # an even element count, to split in two
-        program[where] = (program[where][0], [[2 * program[where][1][0][0]]])
+        program[where] = (program[where][0], [[4], [2 * n_last]])
+    if kind == "resize2":  # the second of two tensors changes
+        program[where] = (program[where][0], [[4], [n_last]])
+    if kind == "transpose":  # an [a, b] with a != b, after a tensor that agrees
+        program[where] = (program[where][0], [[4], [n_last + 1, n_last + 2]])
     dumps = {}
     for r in range(world):
-        ops = list(program)
+        ops = [(name, sizes, _outputs(name, sizes, world)) for name, sizes in program]
         if r == bad:
+            name, sizes, outputs = ops[where]
             if kind == "skip":
                 ops.pop(where)
             elif kind == "swap":
-                name = next(o for o in OPS if o != ops[where][0])
-                ops[where] = (name, ops[where][1])
-            elif kind == "resize":
-                ops[where] = (ops[where][0], [[ops[where][1][0][0] + 1]])
-            elif kind == "reshape":  # [[n]] as [[2, n / 2]]
-                ops[where] = (ops[where][0], [[2, ops[where][1][0][0] // 2]])
+                name = next(o for o in OPS if o != name)
+                ops[where] = (name, sizes, _outputs(name, sizes, world))
+            elif kind in ("resize", "resize2"):  # the outputs the others expect
+                last = [sizes[-1][0] + 1, *sizes[-1][1:]]
+                ops[where] = (name, [*sizes[:-1], last], outputs)
+            elif kind == "reshape":  # [n] as [2, n / 2]
+                ops[where] = (name, [sizes[0], [2, n_last]], outputs)
+            elif kind == "transpose":
+                ops[where] = (name, [sizes[0], sizes[1][::-1]], outputs)
             elif kind == "extra":
-                ops.append(("gloo:all_reduce", [[3]]))
+                ops.append(("gloo:all_reduce", [[3]], [[3]]))
         entries, record, p2p = [], 0, 0
-        for i, (name, sizes) in enumerate(ops, start=1):
+        for i, (name, sizes, outputs) in enumerate(ops, start=1):
             if r in p2p_ranks and i % 2 == 0:
                 p2p += 1
                 entries.append(_entry(record, i - 1, p2p, "gloo:send" if r % 2 else
                                       "gloo:recv", [[8]], is_p2p=True))
                 record += 1
-            entries.append(_entry(record, i, p2p, name, sizes))
+            entries.append(_entry(record, i, p2p, name, sizes, outputs=outputs))
             record += 1
         for k, e in enumerate(entries):  # what differs between ranks that agree:
             e["time_created_ns"] = 10**9 * k + 7919 * r  # when each one ran it,
@@ -382,9 +407,22 @@ def _numel(sizes) -> int:
     return total
 
 
+def _compared_sizes(e, numel_only, outputs, first_only, dims_only) -> str:
+    sizes = e["output_sizes" if outputs else "input_sizes"] or []
+    if first_only:
+        sizes = sizes[:1]
+    if dims_only:  # the dimensions as a bag, the shapes forgotten
+        return str(sorted(int(d) for shape in sizes for d in shape))
+    return str(_numel(sizes)) if numel_only else str(sizes)
+
+
 def mismatch_reference(dumps, sizes=True, skip_p2p=True, common_start=True,
-                       missing=True, numel_only=False, first_rank_only=False):
+                       missing=True, numel_only=False, first_rank_only=False,
+                       outputs=False, first_only=False, dims_only=False,
+                       only_ranks=None):
     """The first mismatch; the keyword switches give typical mistakes."""
+    if only_ranks:  # the first ranks only
+        dumps = {r: dumps[r] for r in sorted(dumps)[:only_ranks]}
     by_rank = {r: {e["collective_seq_id"]: e for e in entries
                    if not (skip_p2p and e.get("is_p2p"))}
                for r, entries in dumps.items()}
@@ -400,8 +438,9 @@ def mismatch_reference(dumps, sizes=True, skip_p2p=True, common_start=True,
         if not missing and None in entries.values():
             continue
         keys = {None if e is None else (
-            e["profiling_name"], "" if not sizes else _numel(e["input_sizes"])
-            if numel_only else str(e["input_sizes"])) for e in entries.values()}
+            e["profiling_name"], "" if not sizes else _compared_sizes(
+                e, numel_only, outputs, first_only, dims_only))
+            for e in entries.values()}
         if len(keys) > 1 or None in keys:
             return seq, entries
     return None
@@ -420,7 +459,45 @@ MISTAKES_12_2 = [
      "mismatch (the other rank never joined it)"),
     ({"first_rank_only": True}, "walk every sequence number that any rank holds, "
      "not only those of rank 0's list: another rank may have run one more"),
+    ({"only_ranks": 2}, "compare every rank, not only ranks 0 and 1"),
+    ({"only_ranks": 3}, "compare every rank, not only the first three: the "
+     "checker runs up to 4"),
+    ({"outputs": True}, "compare input_sizes, not output_sizes: a rank can pass "
+     "another input into the output the others expect"),
+    ({"first_only": True}, "compare every tensor of input_sizes, not only the "
+     "first: a collective can take several"),
+    ({"dims_only": True}, "compare each shape as it is, its dimensions in order: "
+     "[[3, 4]] is not [[4, 3]]"),
 ]
+
+
+def _seen_seq(seen):
+    return _seq_of(seen if isinstance(seen, (tuple, list)) and len(seen) == 2
+                   else None)
+
+
+def _mistake_12_2(cases, seen_values, index) -> str | None:
+    """The hint of the typical mistake that reproduces the answer's sequence
+    numbers: on every case if one does, else on case ``index`` and those
+    before it (which the answer got right)."""
+    seen = [_seen_seq(v) for v in seen_values]
+    here = cases[index][1]
+    candidates = [(kw, h) for kw, h in MISTAKES_12_2
+                  if _seq_of(mismatch_reference(here, **kw)) == seen[index]
+                  != _seq_of(mismatch_reference(here))]
+    for span in (len(cases), index):
+        for kw, h in candidates:
+            if all(_seq_of(mismatch_reference(d, **kw)) == seen[k]
+                   for k, (_, d, _) in enumerate(cases[:span])):
+                return h
+    return None
+
+
+def _first_op(seed: int, name: str) -> int:
+    """Where ``make_dumps(seed, ...)``'s program first runs ``name`` (else 1)."""
+    rng = random.Random(seed)
+    ops = [(rng.choice(OPS), rng.randint(1, 64)) for _ in range(rng.randint(6, 12))]
+    return next((i for i, (op, _) in enumerate(ops) if op == name), 1)
 
 
 def _seq_of(found):
@@ -454,7 +531,8 @@ def _dump_cases(real):
         ("2 ranks that agree, ring buffers wrapped", make_dumps(9, 2, "none",
                                                                 buffer=4),
          "with wrapped buffers, compare only numbers every rank still holds"),
-        ("4 ranks, the first collective differs", make_dumps(10, 4, "swap", where=0),
+        ("4 ranks, the first collective differs on rank 3",
+         make_dumps(10, 4, "swap", where=0, bad=3),
          "the very first collective can be the bad one"),
         ("3 ranks, rank 2 runs one collective more than the others",
          make_dumps(11, 3, "extra", bad=2), "walk every sequence number that any "
@@ -467,6 +545,19 @@ def _dump_cases(real):
          "([[2, 8]] is not [[16]]), not their element count"),
         ("4 ranks, rank 3 reshapes an input", make_dumps(14, 4, "reshape", bad=3),
          "compare the input sizes of every rank as they are"),
+        ("3 ranks, rank 0 gives another input to an all-gather's output",
+         make_dumps(15, 3, "resize", bad=0, where=_first_op(15, "gloo:allgather")),
+         "compare input_sizes, not output_sizes: a rank can pass another input "
+         "into the output the others expect"),
+        ("3 ranks, rank 2 resizes the second of two input tensors",
+         make_dumps(18, 3, "resize2", bad=2), "compare every tensor of "
+         "input_sizes, not only the first: a collective can take several"),
+        ("2 ranks, the second of two input tensors transposed on rank 0",
+         make_dumps(16, 2, "transpose", bad=0), "compare every tensor of "
+         "input_sizes, each shape as it is: [[3, 4]] is not [[4, 3]]"),
+        ("4 ranks, rank 1 transposes the second of two tensors, buffers wrapped",
+         make_dumps(17, 4, "transpose", where=-2, bad=1, buffer=7, p2p_ranks=(3,)),
+         "compare every tensor of input_sizes, not only the first"),
     ]
     if real:
         cases.append(("the chapter's real dumps", real,
@@ -481,10 +572,18 @@ def check_first_mismatch(first_mismatch, real_dumps=None) -> None:
     cases = _dump_cases(real_dumps)
     seen_values = []
     with time_limit(answer_limit(ex)):
-        for _what, dumps, _hint in cases:
-            given = {r: [dict(e) for e in entries] for r, entries in dumps.items()}
+        for what, dumps, _hint in cases:
+            given = copy.deepcopy(dumps)  # nothing shared with the checker's own
             seen_values.append(call_learner(ex, first_mismatch, given,
                                             hints=TOO_SLOW))
+            if given != dumps:
+                changed = sorted(r for r in dumps if given.get(r) != dumps[r]) or [
+                    r for r in given if r not in dumps]
+                fail(ex, f"the dumps left as they were given ({what})",
+                     f"rank {changed[0]}'s entries changed by first_mismatch",
+                     "read the dumps without changing them (no pop, sort, del or "
+                     "assignment into them): they are the evidence of the hang; "
+                     "filter into new lists or dicts instead")
     for index, ((what, dumps, hint), seen) in enumerate(
             zip(cases, seen_values, strict=True)):
         want = mismatch_reference(dumps)
@@ -493,16 +592,7 @@ def check_first_mismatch(first_mismatch, real_dumps=None) -> None:
                 fail(ex, f"None ({what})", f"{seen!r:.100}", hint)
             continue
         seq, entries = want
-        mistake = hint
-        earlier = [d for _, d, _ in cases[:index]]  # the answer got these right
-        for kw, h in MISTAKES_12_2:
-            wrong = _seq_of(mismatch_reference(dumps, **kw))
-            if wrong != seq and wrong == _seq_of(seen if isinstance(
-                    seen, (tuple, list)) and len(seen) == 2 else None) and all(
-                    _seq_of(mismatch_reference(d, **kw)) == _seq_of(
-                        mismatch_reference(d)) for d in earlier):
-                mistake = h
-                break
+        mistake = _mistake_12_2(cases, seen_values, index) or hint
         if seen is None:
             fail(ex, f"a mismatch at sequence number {seq} ({what})", "None",
                  mistake)
