@@ -156,7 +156,47 @@ class OldNames(torch.autograd.Function):
         return g @ w, gw, gb, None, None
 
 
-RIGHT_LINEAR = [Solution, WithLists, AllReduceThenSlice, MatmulVariant, OldNames]
+class InFloat64(torch.autograd.Function):
+    """Computes in float64 and casts back to the input's dtype."""
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = (out_f, in_f)
+        w, b = gather(ws, ctx.shape).double(), gather(bs, (out_f,)).double()
+        return (x.double() @ w.T + b).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ws, bs = ctx.saved_tensors
+        w, g64 = gather(ws, ctx.shape).double(), g.double()
+        grad_w = (g64.T @ x.double()).to(ws.dtype)
+        return ((g64 @ w).to(x.dtype), scatter_mean(grad_w, ws),
+                scatter_mean(g64.sum(0).to(bs.dtype), bs), None, None)
+
+
+class GatherIntoList(torch.autograd.Function):
+    """dist.all_gather into a list and torch.addmm; the padding cut after cat."""
+    @staticmethod
+    def forward(ctx, x, ws, bs, out_f, in_f):
+        ctx.save_for_backward(x, ws, bs)
+        ctx.shape = (out_f, in_f)
+        n = dist.get_world_size()
+        whole = []
+        for shard, numel in ((ws, out_f * in_f), (bs, out_f)):
+            parts = [torch.empty_like(shard) for _ in range(n)]
+            dist.all_gather(parts, shard)
+            whole.append(torch.cat(parts)[:numel])
+        return torch.addmm(whole[1], x, whole[0].view(out_f, in_f).T)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, ws, bs = ctx.saved_tensors
+        return (torch.mm(g, gather(ws, ctx.shape)), scatter_mean(torch.mm(g.T, x), ws),
+                scatter_mean(g.sum(dim=0), bs), None, None)
+
+
+RIGHT_LINEAR = [Solution, WithLists, AllReduceThenSlice, MatmulVariant, OldNames,
+                InFloat64, GatherIntoList]
 
 
 def _with_backward(body):
@@ -223,6 +263,20 @@ def swapped(ctx, g):
     x, ws, bs = ctx.saved_tensors
     return (g @ gather(ws, ctx.shape), scatter_mean(g.sum(0), bs),
             scatter_mean(g.T @ x, ws), None, None)
+
+
+def divides_grad_out(ctx, g):
+    """Averages by dividing grad_out in place: another branch may share it."""
+    x, ws, bs = ctx.saved_tensors
+    n = dist.get_world_size()
+    grad_x = g @ gather(ws, ctx.shape)
+    g.div_(n)
+    out = []
+    for full, shard in ((g.T @ x, ws), (g.sum(0), bs)):
+        o = torch.empty_like(shard)
+        dist.reduce_scatter_single(o, pad(full, n))
+        out.append(o)
+    return grad_x, out[0], out[1], None, None
 
 
 def double_mean(ctx, g):
@@ -427,6 +481,7 @@ WRONG_LINEAR = [  # (answer, words its message must contain)
     (_with_backward(mean_over_rows), ["bias"]),
     (_with_backward(swapped), ["shard's shape"]),
     (_with_backward(double_mean), ["another number"]),
+    (_with_backward(divides_grad_out), ["changed grad_out", "another branch"]),
     (KeepsWeight, ["keep only x and the shards"]),
     (StashesWeight, ["keep only x and the shards"]),
     (NoGather, ["all-gather the full weight"]),

@@ -181,16 +181,25 @@ def _linear_cases(fn, rank: int, n: int) -> list[dict]:
         kept = [k for k in kept if k[0].removesuffix(" (outside ctx)") not in (
             "x", "shard", "bias shard")]  # copies of x and the shards: fine
         del made
+        grad_out = {}  # the tensor backward receives, and a copy to compare
+
+        def keep(g, grad_out=grad_out):
+            grad_out.update(given=g, copy=g.detach().clone())
+
         if isinstance(y, torch.Tensor) and y.requires_grad:
+            y.register_hook(keep)
             (y * c).sum().backward()
+        changed = [name for name, t in zip(given, (x, ws, bs), strict=True)
+                   if not torch.equal(t.detach(), given[name])]
+        if grad_out and not torch.equal(grad_out["given"], grad_out["copy"]):
+            changed.append("grad_out")
         results.append({
             "y": y.detach().clone() if isinstance(y, torch.Tensor) else y,
             "x.grad": None if x.grad is None else x.grad.clone(),
             "w.grad": None if ws.grad is None else ws.grad.clone(),
             "b.grad": None if bs.grad is None else bs.grad.clone(),
             "kept": kept,
-            "changed": [name for name, t in zip(given, (x, ws, bs), strict=True)
-                        if not torch.equal(t.detach(), given[name])]})
+            "changed": changed})
     return results
 
 
@@ -376,7 +385,8 @@ def check_sharded_linear(ShardedLinear) -> None:  # noqa: C901, PLR0912
                      f"weight ({out_f}, {in_f}))", f"forward or backward changed "
                      f"{' and '.join(got['changed'])}", "write results into new "
                      "tensors (torch.empty_like(shard)): the shards are the model's "
-                     "parameters, and x belongs to the layer below")
+                     "parameters, x belongs to the layer below, and grad_out may "
+                     "also be the gradient another branch of the graph receives")
     for n, rank, cases in results:
         for i, ((out_f, in_f, rows, dtype, seed), got) in enumerate(
                 zip(CASES_91, cases, strict=True)):
