@@ -160,9 +160,9 @@ def tensor_parallel(model, tp_mesh):
 
 
 def pipeline_stage(model, index, n_stages):
-    names = list(model.layers)
-    per = len(names) // n_stages
-    for name in names[:index * per] + names[(index + 1) * per:]:
+    names = list(model.layers)  # stage i: blocks i*L//n .. (i+1)*L//n - 1
+    first, end = index * len(names) // n_stages, (index + 1) * len(names) // n_stages
+    for name in names[:first] + names[end:]:
         del model.layers[name]
     if index > 0:
         model.embed = None
@@ -716,8 +716,8 @@ print("2 layers on 8 fake ranks, recomputed now: "
 # stage 0: a node's GPUs), keeps this rank's stage of the model
 # (`pipeline_stage`), makes its blocks tensor parallel, and returns a
 # `PipelineStage` on the pipeline group. The checker runs GPipe on 4 ranks
-# (`tp` 2 and 1) and on 2 (`tp` 2), at several depths, and compares the loss
-# and every gradient with one process.
+# (`tp` 2 and 1) and on 2 (`tp` 2), at depths the stages do not divide, and
+# compares the loss and every gradient with one process.
 
 # %% tags=["exercise"] exercise="13.1"
 def pp_tp_stage(model, tp):

@@ -41,8 +41,11 @@ PLAN = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
 
 def keep_stage(model, index, n_stages, extra=0, per=None):
     names = list(model.layers)
-    per = per or len(names) // n_stages
-    keep = names[index * per:(index + 1) * per + extra]
+    if per:  # `per` blocks a stage, whatever the depth
+        keep = names[index * per:(index + 1) * per + extra]
+    else:  # every block on one stage, the later stages one deeper where needed
+        keep = names[index * len(names) // n_stages:
+                     (index + 1) * len(names) // n_stages + extra]
     for name in names:
         if name not in keep:
             del model.layers[name]
@@ -97,9 +100,10 @@ def right_rebuilt_dict(model, tp):
     mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
     i = mesh["pp"].get_local_rank()
     names = list(model.layers)
-    per = len(names) // n
-    model.layers = tnn.ModuleDict({k: model.layers[k]
-                                   for k in names[i * per:(i + 1) * per]})
+    per, extra = divmod(len(names), n)  # the first `extra` stages one deeper
+    start = i * per + min(i, extra)
+    model.layers = tnn.ModuleDict({k: model.layers[k] for k in names[
+        start:start + per + (i < extra)]})
     if i:
         model.embed = None
     if i != n - 1:
@@ -202,6 +206,31 @@ def wrong_fresh_model(model, tp):  # new weights instead of the given ones
     return right_device_mesh(fresh, tp)
 
 
+def right_new_groups(model, tp):
+    """The pipeline groups made by hand: ranks t, t + tp, t + 2 tp, ..."""
+    rank, n = dist.get_rank(), dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    groups = [dist.new_group([s * tp + t for s in range(n)]) for t in range(tp)]
+    stage = make_tp(keep_stage(model, rank // tp, n), mesh["tp"])
+    return PipelineStage(stage, rank // tp, n, torch.device("cpu"),
+                         group=groups[rank % tp])
+
+
+def wrong_world_group(model, tp):  # PipelineStage on every rank of the job
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    return PipelineStage(make_tp(keep_stage(model, i, n), mesh["tp"]), i, n, "cpu")
+
+
+def wrong_drops_leftover(model, tp):  # len // n blocks a stage: the rest lost
+    n = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (n, tp), mesh_dim_names=("pp", "tp"))
+    i = mesh["pp"].get_local_rank()
+    stage = make_tp(keep_stage(model, i, n, per=len(model.layers) // n), mesh["tp"])
+    return PipelineStage(stage, i, n, torch.device("cpu"), group=mesh["pp"].get_group())
+
+
 def wrong_two_stages(model, tp):
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
                             mesh_dim_names=("pp", "tp"))
@@ -211,14 +240,15 @@ def wrong_two_stages(model, tp):
 
 
 RIGHT_STAGE = [right_device_mesh, right_tp_first, right_class, right_rebuilt_dict,
-               right_with_extra_work]
+               right_with_extra_work, right_new_groups]
 WRONG_STAGE = {
     wrong_swapped_mesh: "adjacent", wrong_fixed_tp: "pipeline stages",
     wrong_ignores_tp: "pipeline stages", wrong_no_tp: "sharded",
     wrong_all_blocks: "exactly one stage", wrong_one_block_each: "exactly one stage",
     wrong_overlap: "exactly one stage", wrong_float32: "dtype",
     wrong_cached_mesh: "pipeline stages", wrong_fresh_model: "given model's weights",
-    wrong_two_stages: "pipeline stages",
+    wrong_two_stages: "pipeline stages", wrong_drops_leftover: "missing",
+    wrong_world_group: "group=mesh['pp'].get_group()",
 }
 
 
@@ -664,8 +694,8 @@ def test_reduction_new_wrong_answers_fail(fn, monkeypatch):
 
 def _cut(model, i, n):
     names = list(model.layers)
-    per = len(names) // n
-    for k in names[:i * per] + names[(i + 1) * per:]:
+    per = len(names) // n  # the last stage takes what is left over
+    for k in names[:i * per] + (names[(i + 1) * per:] if i < n - 1 else []):
         del model.layers[k]
     if i:
         model.embed = None

@@ -1,8 +1,9 @@
 """Checkers for Chapter 13 (putting it together).
 
-- 13.1: a pipeline x tensor-parallel stage on 4 gloo ranks (tp 2 and 1,
-  depths 2 and 4, float32 and float64) and on 2 (tp 2, one stage of 4
-  blocks): GPipe's loss and every gradient
+- 13.1: a pipeline x tensor-parallel stage on 4 gloo ranks (tp 2 and 1:
+  2 stages of 5 blocks in float32, 4 stages of 6 in float64, depths the
+  stages do not divide) and on 2 (tp 2, one stage of 4 blocks): GPipe's loss
+  and every gradient
   against one process, which ranks share a pipeline group and a TP mesh
   (TP ranks adjacent), and that the blocks' weights really are sharded;
 - 13.2: a layout search (FSDP or DDP, recomputation or not) against the
@@ -171,7 +172,8 @@ def _loss(logits, targets):
 
 
 # (tp, layers, dtype, seed)
-STAGE_CASES = ((2, 4, torch.float32, 0), (1, 4, torch.float64, 1))
+# depths the stages do not divide: 5 blocks on 2 stages, 6 on 4
+STAGE_CASES = ((2, 5, torch.float32, 0), (1, 6, torch.float64, 1))
 # on 2 ranks, one stage of 4 blocks: the stages come from the world size
 STAGE_CASES_2 = ((2, 4, torch.float64, 2),)
 
@@ -269,10 +271,15 @@ def judge_stage(ranks: list[list[dict]], cases=None) -> None:
         for rank, r in enumerate(results):
             if "error" in r:
                 err = r["error"]
-                hint = ("the mesh has world_size // tp pipeline stages: use "
-                        "dist.get_world_size() and tp, not fixed numbers"
-                        if "mesh" in err.lower() or "numel" in err
-                        else "fix that error and run the exercise cell again")
+                if "group size" in err.lower():  # PipelineStage on the world
+                    hint = ("PipelineStage sends activations within its group: "
+                            "pass group=mesh['pp'].get_group(), the ranks that "
+                            "hold this rank's TP slice of every stage")
+                elif "mesh" in err.lower() or "numel" in err:
+                    hint = ("the mesh has world_size // tp pipeline stages: use "
+                            "dist.get_world_size() and tp, not fixed numbers")
+                else:
+                    hint = "fix that error and run the exercise cell again"
                 fail(ex, f"pp_tp_stage to run ({where})", f"rank {rank}: {err}", hint)
         n_stages = world // tp
         want_dtype = str(dtype).replace("torch.", "")
@@ -341,7 +348,7 @@ def judge_stage(ranks: list[list[dict]], cases=None) -> None:
             fail(ex, f"consecutive blocks on each stage, stage 0 the first ({where})",
                  "blocks per stage " + ", ".join(map(str, blocks)),
                  "a pipeline passes each activation on to the next stage: stage i "
-                 "keeps blocks i x per .. (i + 1) x per - 1, in order")
+                 "keeps blocks i x L // n .. (i + 1) x L // n - 1 of L, in order")
         tol = 1e-4 if dtype == torch.float32 else 1e-9
         last = results[-1]
         if last["loss"] is None or not math.isclose(
