@@ -433,8 +433,19 @@ def plan_norm_outputs_dtensors(model, mesh, sequence_parallel):
     return model
 
 
+def plan_rowwise_output(model, mesh, sequence_parallel):
+    """The output layer split by its input features: the logits all-reduced."""
+    if sequence_parallel:
+        return plan_solution(model, mesh, True)
+    _apply(model, mesh, BLOCK_TP, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": RowwiseParallel(input_layouts=Replicate(),
+                                  output_layouts=Replicate())})
+    return model
+
+
 RIGHT_PLANS = [plan_solution, plan_wildcards, plan_per_submodule, plan_blocks_only_tp,
-               ColumnEmbedding(), plan_norm_outputs_dtensors]
+               ColumnEmbedding(), plan_norm_outputs_dtensors, plan_rowwise_output]
 
 
 def plan_nothing(model, mesh, sequence_parallel):
@@ -532,7 +543,35 @@ def plan_sharded_logits(model, mesh, sequence_parallel):  # vocabulary slices
     _apply(model, mesh, _block_sp() if sequence_parallel else BLOCK_TP, top)
 
 
+def plan_sp_final_norm_whole(model, mesh, sequence_parallel):
+    """The blocks' norms sequence parallel, the final norm forgotten."""
+    if not sequence_parallel:
+        return plan_solution(model, mesh, False)
+    _apply(model, mesh, _block_sp(),
+           {k: v for k, v in TOP_SP.items() if k != "final_norm"})
+    return model
+
+
+def plan_kv_whole(model, mesh, sequence_parallel):  # "k, v are too narrow to split"
+    if sequence_parallel:
+        return plan_solution(model, mesh, True)
+    _apply(model, mesh, {k: v for k, v in BLOCK_TP.items()
+                         if k not in ("attention.k_proj", "attention.v_proj")}, TOP_TP)
+    return model
+
+
+def plan_one_input_attention_only(model, mesh, sequence_parallel):
+    if sequence_parallel:
+        return plan_solution(model, mesh, True)
+    _apply(model, mesh, {k: v for k, v in BLOCK_TP.items() if k != "feed_forward"},
+           TOP_TP)
+    return model
+
+
 WRONG_PLANS = {
+    plan_sp_final_norm_whole: ["final_norm.weight differs", "SequenceParallel()"],
+    plan_kv_whole: ["mixed torch.Tensor and DTensor", "every linear"],
+    plan_one_input_attention_only: ["6 all-reduces", "PrepareModuleInput"],
     plan_nothing: ["full copy", "ColwiseParallel or RowwiseParallel"],
     plan_attention_only: ["feed_forward.gate.weight is a full copy"],
     plan_all_columns: ["no all-gather inside the blocks", "RowwiseParallel"],
