@@ -1026,7 +1026,8 @@ check_first_mismatch(first_mismatch, dumps)
 #
 # - `save_checkpoint(ckpt_dir, step, model, optimizer, scheduler)` is called on
 #   every rank after `step` steps (`step` a multiple of the interval); it must
-#   save whatever a restart needs under `ckpt_dir`.
+#   save whatever a restart needs under `ckpt_dir`, each rank calling
+#   `dcp.save` (which writes each rank's part and `.metadata` last).
 # - `load_checkpoint(ckpt_dir, model, optimizer, scheduler)` is called on every
 #   rank of every attempt, before training; it restores the newest complete
 #   checkpoint, if there is one, and returns the number of steps it holds

@@ -1058,6 +1058,33 @@ def test_wrong_resume_fail():
         fails(ch12.check_resume, save, load, words=(word,))
 
 
+def save_rank0_no_dist(ckpt_dir, step, model, optimizer, scheduler):
+    """Rank 0 alone saves the (replicated) state; the other waits for it."""
+    if dist.get_rank() == 0:
+        dcp.save(_numbered_state(model, optimizer, scheduler, step),
+                 checkpoint_id=f"{ckpt_dir}/{step:05d}", no_dist=True)
+    dist.barrier()
+
+
+def load_no_dist(ckpt_dir, model, optimizer, scheduler):
+    done = _complete(ckpt_dir)
+    if not done:
+        return 0
+    state = _numbered_state(model, optimizer, scheduler)
+    dcp.load(state, checkpoint_id=f"{ckpt_dir}/{done[-1]}", no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"]
+
+
+def test_resume_saved_by_rank_0_alone_is_told_why_the_other_waits():
+    """The checker's death in the middle of a save reaches only the rank that
+    writes; the verdict says so rather than blaming a stray collective."""
+    fails(ch12.check_resume, save_rank0_no_dist, load_no_dist,
+          words=("failed on rank 0 alone", "dcp.save on every rank"))
+
+
 def test_resume_that_deadlocks_gets_a_verdict():
     def save_barrier_on_rank0(ckpt_dir, step, model, optimizer, scheduler):
         save_solution(ckpt_dir, step, model, optimizer, scheduler)

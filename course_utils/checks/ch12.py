@@ -706,6 +706,8 @@ def _die_while_saving(dying: dict) -> None:
     def finish_or_die(self, metadata, results):
         if dying["now"]:
             dying["fired"] = True
+            if dying.get("note"):  # for the verdict, should the others then wait
+                open(f"{dying['note']}{torch.distributed.get_rank()}", "w").close()
             raise RuntimeError("the job died while this checkpoint was written")
         return finish(self, metadata, results)
 
@@ -719,7 +721,8 @@ def _quick_stage(rank, world_size, save, load, ckpt_dir, crashes):
     a crash after that step, or one in the middle of the save after it.
     """
     torch.set_num_threads(1)
-    dying = {"now": False, "fired": False}
+    dying = {"now": False, "fired": False,
+             "note": os.path.join(os.path.dirname(ckpt_dir), "died_on_rank")}
     _die_while_saving(dying)
     model, optimizer, scheduler = _build()
     for step in range(STEPS):
@@ -878,9 +881,17 @@ def check_resume(save_checkpoint, load_checkpoint, elastic: bool = True) -> None
                  "read the error; both functions run on every rank, in a process "
                  "group (dist.get_rank() works)")
         except LaunchTimeout as e:
+            died = [r for r in range(2) if os.path.exists(
+                os.path.join(root, f"died_on_rank{r}"))]
             fail(ex, f"both functions to return within {limit:.0f} s on 2 ranks",
-                 stuck(e)[:400], "a collective that only some ranks "
-                 "call (a barrier inside `if rank == 0`) waits for ever")
+                 stuck(e)[:400], (
+                     f"the save of step {3 * EVERY} failed on rank {died[0]} alone "
+                     "(the checker makes it fail where DCP writes .metadata, as a "
+                     "killed job would) and the other rank waited for it. In a real "
+                     "job torchrun stops every rank; here they run on, so call "
+                     "dcp.save on every rank: it passes a failure on to all of "
+                     "them") if len(died) == 1 else "a collective that only some "
+                 "ranks call (a barrier inside `if rank == 0`) waits for ever")
         value = out[0].value
         # the torchrun run's deadline follows what this machine just took
         deadline = max(limit, 6 * (time.perf_counter() - started))
