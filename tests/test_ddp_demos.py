@@ -97,6 +97,9 @@ def test_an_interrupted_command_stops_its_tree_in_one_line(tmp_path):
     # processes this test process had before (a forkserver of an earlier
     # test, say) are not the command's
     before = {c.pid for c in psutil.Process().children(recursive=True)}
+    # a shell that starts a job in the background ignores SIGINT in it: as in a
+    # notebook kernel, an interrupt must raise KeyboardInterrupt here
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -105,6 +108,7 @@ def test_an_interrupted_command_stops_its_tree_in_one_line(tmp_path):
                                   limit_s=60)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, old)
     lines = caught.value._render_traceback_()
     assert len(lines) == 1
     assert "interrupted: the command and its 1 process stopped, nothing left " \
