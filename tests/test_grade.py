@@ -1,6 +1,7 @@
 """The grade report on a learner's notebook with typical answers."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,7 +76,9 @@ def test_report_names_each_typical_failure(tmp_path):
     assert "exercise cell raised" in results["5.4"].message
     assert "SyntaxError" in results["5.4"].message
     assert "placeholder" in results["5.5"].message
-    assert f"Timeout of {timeout} seconds" in results["5.6"].message
+    # the limit given, stretched by how much slower the machine runs now
+    seconds = re.search(r"Timeout of (\d+) seconds", results["5.6"].message)
+    assert seconds and int(seconds[1]) >= timeout, results["5.6"].message
     for r in results.values():  # short messages, no internal tracebacks
         assert "site-packages" not in r.message, r.message
     text, ok = grade.report(cells)
