@@ -325,6 +325,13 @@ def _entry(record_id, seq, p2p_seq, name, sizes, is_p2p=False, outputs=None):
             "process_group": ("0", "default_pg"), "timeout_ms": 2000, "retired": False}
 
 
+def _program(seed: int):
+    """The seed's generator and the program of collectives it draws first."""
+    rng = random.Random(seed)
+    n = rng.randint(6, 12)
+    return rng, [(rng.choice(OPS), [[rng.randint(1, 64)]]) for _ in range(n)]
+
+
 def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
                buffer: int | None = None, p2p_ranks=(),
                bad: int | None = None) -> dict[int, list[dict]]:
@@ -343,9 +350,8 @@ def make_dumps(seed: int, world: int, kind: str, where: int | None = None,
     point-to-point entries between their collectives (so their buffers hold
     fewer collectives).
     """
-    rng = random.Random(seed)
-    n = rng.randint(6, 12)
-    program = [(rng.choice(OPS), [[rng.randint(1, 64)]]) for _ in range(n)]
+    rng, program = _program(seed)
+    n = len(program)
     where = rng.randint(1, n - 2) if where is None else where % n
     bad = rng.randrange(world) if bad is None else bad
     shapes = random.Random(seed + 7919)  # the same programs as before, more shapes
@@ -495,9 +501,7 @@ def _mistake_12_2(cases, seen_values, index) -> str | None:
 
 def _first_op(seed: int, name: str) -> int:
     """Where ``make_dumps(seed, ...)``'s program first runs ``name`` (else 1)."""
-    rng = random.Random(seed)
-    ops = [(rng.choice(OPS), rng.randint(1, 64)) for _ in range(rng.randint(6, 12))]
-    return next((i for i, (op, _) in enumerate(ops) if op == name), 1)
+    return next((i for i, (op, _) in enumerate(_program(seed)[1]) if op == name), 1)
 
 
 def _seq_of(found):
