@@ -103,6 +103,12 @@ DISTURBED_CORES = 1.0  # other programs' use above which a recording is refused
 SLOW_PROBE = 1.25  # a chapter's probe this much slower than the run's: scaled
 
 
+def figures(seconds: float) -> float:
+    """Three significant figures: a check of a few milliseconds keeps its
+    time instead of rounding to zero."""
+    return float(f"{seconds:.3g}")
+
+
 def record(sources: list[Path]) -> int:
     """Time every solution's check (the slowest of 3 runs: the first carries
     one-time costs, a cache filled or a process pool started) and store them.
@@ -146,8 +152,8 @@ def record(sources: list[Path]) -> int:
                 "machine named, when exercises.probe_s() took probe_s",
         "machine": f"{os.cpu_count()} cores, Python {platform.python_version()}, "
                    f"torch {torch.__version__}",
-        "probe_s": round(scale, 5),
-        "checks": {ex: round(s * scale, 2) for ex, s in sorted(
+        "probe_s": figures(scale),
+        "checks": {ex: figures(s * scale) for ex, s in sorted(
             checks.items(), key=lambda kv: [int(x) for x in kv[0].split(".")])},
     }
     exercises.ANSWER_TIMES.write_text(json.dumps(data, indent=1) + "\n")
