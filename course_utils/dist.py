@@ -612,18 +612,29 @@ def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Ru
             except OSError:  # not our child (forkserver), or it did it already
                 pass
             watchdog.watch(p.pid)
-        deadline = time.monotonic() + timeout
         running = {p.sentinel: r for r, p in enumerate(procs)}
-        failed = False
-        while running and not failed and time.monotonic() < deadline:
-            # short slices: an interrupt delivered to another thread of this
-            # process (Jupyter has several) is noticed within half a second
-            left = deadline - time.monotonic()
-            for s in wait(list(running), timeout=max(0.0, min(0.5, left))):
-                r = running.pop(s)
-                procs[r].join()
-                results[r] = _collect(r, procs[r], workdir)
-                failed = failed or not results[r]["ok"]
+
+        def wait_until(deadline: float, until_failed: bool = True) -> bool:
+            failed = False
+            while running and not (failed and until_failed) and (
+                    time.monotonic() < deadline):
+                # short slices: an interrupt delivered to another thread of this
+                # process (Jupyter has several) is noticed within half a second
+                left = deadline - time.monotonic()
+                for s in wait(list(running), timeout=max(0.0, min(0.5, left))):
+                    r = running.pop(s)
+                    procs[r].join()
+                    results[r] = _collect(r, procs[r], workdir)
+                    failed = failed or not results[r]["ok"]
+            return failed
+
+        failed = wait_until(time.monotonic() + timeout)
+        if failed and running and all(peer_went_away(res["error"])
+                                      for res in results.values() if not res["ok"]):
+            # failed only because a peer went: the peer may still be dying of
+            # the cause (a C++ abort takes a moment, more on a busy machine);
+            # let it end on its own, so that its reason is the one reported
+            wait_until(time.monotonic() + PEER_GRACE_S, until_failed=False)
         for s, r in list(running.items()):  # returned, waiting for the others
             if (workdir / f"{r}.pkl").exists():
                 results[r] = _collect(r, procs[r], workdir)
@@ -655,6 +666,8 @@ def _run(fn, nprocs, args, timeout, backend, init, port, method, threads) -> _Ru
         raise LaunchError(f"SIGTERM: all {nprocs} ranks were stopped")
     return _Run(results, outs, stacks)
 
+
+PEER_GRACE_S = 5.0  # how long a peer of a rank that lost it may take to end
 
 PEER_GONE = ("closed by peer", "reset by peer", "Connection was likely closed",
              "Broken pipe", "DistNetworkError")

@@ -367,6 +367,23 @@ def test_a_killed_rank_is_named_with_its_signal():
         launch(killed, 1, echo=False, init=False)
 
 
+def aborts_after_its_peer_lost_it(rank, world_size):
+    if rank == 1:  # what a rank sees when its peer is going: a closed socket
+        raise RuntimeError("Read error: Connection reset by peer")
+    time.sleep(1.0)  # the peer is still dying of the cause, as a C++ abort does
+    sys.stderr.write("what(): Received data size doesn't match expected size\n")
+    sys.stderr.flush()
+    os.abort()
+
+
+def test_the_cause_is_reported_when_the_rank_that_lost_its_peer_ends_first():
+    with pytest.raises(RankFailed) as info:
+        launch(aborts_after_its_peer_lost_it, 2, timeout=30, echo=False, init=False)
+    message = str(info.value)
+    assert message.startswith("rank 0 failed") and "SIGABRT" in message, message
+    assert "doesn't match expected size" in message  # the dying rank's own words
+
+
 def stuck_in_all_reduce(rank, world_size):
     if rank == 1:
         time.sleep(60)
