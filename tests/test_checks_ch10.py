@@ -622,6 +622,33 @@ def test_plan_hang_is_stopped_by_the_collective_wait():
     assert "never called" in text and "same collectives" in text, text
 
 
+def plan_sp_on_the_batch(model, mesh, sequence_parallel):
+    """"Sequence" parallel on dimension 0: the batch, 3 rows on 2 ranks."""
+    if not sequence_parallel:
+        return plan_solution(model, mesh, False)
+    batch = Shard(0)
+    block = {k: RowwiseParallel(output_layouts=batch)
+             if k.endswith(("out_proj", "down")) else v
+             for k, v in _block_sp(gather=False).items()}
+    block |= {"attention_norm": SequenceParallel(sequence_dim=0),
+              "ffn_norm": SequenceParallel(sequence_dim=0)}
+    gather = PrepareModuleInput(input_layouts=(batch,),
+                                desired_input_layouts=(Replicate(),))
+    block |= {"attention": gather, "feed_forward": gather}
+    _apply(model, mesh, block, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=batch),
+        "final_norm": SequenceParallel(sequence_dim=0),
+        "output": ColwiseParallel(input_layouts=batch, output_layouts=Replicate())})
+    return model
+
+
+def test_plan_sharding_the_batch_is_told_the_sequence_is_dimension_1():
+    # gloo aborts the rank that receives the other's larger shard, in C++
+    text = rejected(ch10.check_parallelize_plan, plan_sp_on_the_batch)
+    assert "different sizes" in text and "Shard(1)" in text, text
+
+
 def test_plan_checker_end_to_end(capsys):
     ch10.check_parallelize_plan(plan_solution)
     assert "Exercise 10.2 passed" in capsys.readouterr().out

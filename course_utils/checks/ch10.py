@@ -80,6 +80,15 @@ def _in_group(rank: int, world_size: int, rank_fn: Callable, wait_s: float,
     return value
 
 
+SIZE_MISMATCH = "Received data size doesn't match expected size"
+MISMATCH_HINTS = {
+    "10.2": " (the checker's batch is 3 rows, its sequence 8 tokens, on 2 "
+            "ranks). Sequence parallelism shards the sequence, dimension 1: "
+            "Shard(1) between the sublayers and SequenceParallel() on the norms "
+            "(its sequence_dim=1)",
+}
+
+
 def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
          calls: int = 1) -> list:
     """Launch ``rank_fn`` on ``world_size`` gloo ranks; a failure becomes a message.
@@ -97,6 +106,12 @@ def _run(exercise: str, rank_fn: Callable, world_size: int, args: tuple,
                                         backend="gloo", echo=False)]
     except RankFailed as e:
         first = str(e).splitlines()[0]
+        if SIZE_MISMATCH in str(e):  # gloo aborts the rank: the cause is in its output
+            fail(exercise, "every rank to finish",
+                 f"{first[:160]}: {SIZE_MISMATCH} in a collective",
+                 "the ranks sent tensors of different sizes to one collective: a "
+                 "dimension that the ranks do not divide evenly was sharded"
+                 + MISMATCH_HINTS.get(exercise, ""))
         fail(exercise, "every rank to finish", first[:200],
              hang if _waited(first) else
              "every rank must call the same collectives, in the same order")
