@@ -1017,8 +1017,9 @@ for key in ("megatron_2019.scaling_efficiency_512_gpus",
 # (`nn.Linear` layout, no biases) are the same on every rank. Return the
 # output of causal multi-head self-attention - the same on every rank - but
 # compute only `n_heads / world_size` heads on each rank, with one
-# all-reduce forward and the right gradients backward (for `x`, and for the
-# slices of the weights your rank used). The one-process version:
+# all-reduce forward and one backward (for `x`'s gradient), and the right
+# gradients (for `x`, and for the slices of the weights your rank used).
+# The one-process version:
 #
 # ```python
 # q, k, v = (F.linear(x, w).view(b, s, n_heads, dim // n_heads).transpose(1, 2)
@@ -1061,12 +1062,13 @@ check_head_parallel_attention(head_parallel_attention)
 #
 # The new part: `parallelize_gpt`'s plan pays one backward all-reduce per
 # column-parallel linear. Yours must pay **one collective per sublayer in
-# each direction**, as fused Q, K, V would, but without fusing anything. The checker runs it on 2 ranks and wants: the
-# loss and every gradient equal to one process; every linear inside the
-# blocks sharded; and, counted inside the blocks only (the embedding and
-# the output layer are yours to split as you like), per attention and per
-# feed-forward exactly one all-reduce forward and one backward, or with SP
-# one all-gather and one reduce-scatter each way.
+# each direction**, as fused Q, K, V would, but without fusing anything.
+# The checker runs it on 2 ranks and wants: the loss and every gradient
+# equal to one process; every linear inside the blocks sharded; and,
+# counted inside the blocks only (the embedding and the output layer are
+# yours to split as you like), per attention and per feed-forward exactly
+# one all-reduce forward and one backward, or with SP one all-gather and
+# one reduce-scatter each way.
 
 # %%
 print(exercise_model())

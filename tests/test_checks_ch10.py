@@ -252,7 +252,38 @@ def attn_rank0_heads(x, wq, wk, wv, wo, n_heads):  # every rank takes rank 0's h
     return Reduce.apply(F.linear(out, wo[:, rows]))
 
 
+def attn_f_per_projection(x, wq, wk, wv, wo, n_heads):  # right values, 3 x f
+    b, s, dim = x.shape
+    rows, hd = _mine(dim), dim // n_heads
+    q, k, v = (F.linear(Copy.apply(x), w[rows]).view(b, s, -1, hd).transpose(1, 2)
+               for w in (wq, wk, wv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return Reduce.apply(F.linear(out.transpose(1, 2).reshape(b, s, -1), wo[:, rows]))
+
+
+class ReducedPerHead(HeadParallel):  # the class above, g on every head
+    def forward(self, x, wq, wk, wv, wo):
+        b, s, dim = x.shape
+        hd = dim // self.n_heads
+        per_rank = self.n_heads // dist.get_world_size()
+        x = Copy.apply(x)
+        total = 0
+        for h in range(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank):
+            rows = slice(h * hd, (h + 1) * hd)
+            q, k, v = (F.linear(x, w[rows]).unsqueeze(1) for w in (wq, wk, wv))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            total = total + Reduce.apply(F.linear(out.squeeze(1), wo[:, rows]))
+        return total
+
+
+def attn_reduced_per_head(x, wq, wk, wv, wo, n_heads):
+    return ReducedPerHead(n_heads)(x, wq, wk, wv, wo)
+
+
 WRONG_ATTENTION = {
+    attn_f_per_projection: ["one all-reduce in the backward", "3 all-reduces",
+                            "f operator to x once"],
+    attn_reduced_per_head: ["one all-reduce in the forward", "all-reduce once"],
     attn_not_causal: ["attends to later tokens", "is_causal=True"],
     attn_scaled_by_local_width: ["scaled by 1/sqrt(", "head width"],
     attn_no_g: ["partial sum", "g operator"],

@@ -45,6 +45,7 @@ from course_utils.exercises import (
     require_solution,
     stuck,
 )
+from course_utils.traces import Collectives
 
 STORE_S = 600  # the rendezvous store's own wait: the launch's limit ends a hang first
 # how long a rank waits in one collective for its peers, in reference checks
@@ -184,16 +185,20 @@ def _attention_rank(rank: int, world_size: int, fns: list, case) -> list:
     for fn in fns:
         xs = x.clone().requires_grad_()
         ws = [w.clone().requires_grad_() for w in weights]
+        forward, backward = Collectives(), Collectives()
         try:
-            out = fn(xs, *ws, case[3])
+            with forward:
+                out = fn(xs, *ws, case[3])
             if not isinstance(out, torch.Tensor):
                 results.append({"error": f"it returned a {type(out).__name__}"})
                 continue
             if out.requires_grad and out.shape == grad_out.shape:
-                (out * grad_out).sum().backward()
+                with backward:
+                    (out * grad_out).sum().backward()
             results.append({"out": out.detach(), "x_grad": xs.grad,
                             "w_grads": [w.grad for w in ws],
-                            "requires_grad": out.requires_grad})
+                            "requires_grad": out.requires_grad,
+                            "forward": forward.counts, "backward": backward.counts})
         except Exception as e:  # both ranks raise alike: no collective is left waiting
             results.append({"error": _error(e)})
     return results
@@ -327,6 +332,22 @@ def judge_attention(ranks: list[dict], case) -> None:
              "all-reduce there multiplies every gradient by the world size")
 
 
+    for rank, r in enumerate(ranks):
+        for way, hint in (
+                ("forward", "sum the partial outputs of all this rank's heads "
+                 "through its columns of wo first, then all-reduce once (the g "
+                 "operator)"),
+                ("backward", "x's gradient is summed over the ranks once: apply "
+                 "the f operator to x once, before the three projections, not to "
+                 "each")):
+            counts = r[way]
+            if counts != {"all-reduce": 1}:
+                seen = ", ".join(f"{n} {name}{'s' if n > 1 else ''}"
+                                 for name, n in sorted(counts.items())) or "none"
+                fail(ex, f"one all-reduce in the {way} on every rank ({where})",
+                     f"{seen} on rank {rank}", hint)
+
+
 def _check_attention_answers(fns: list, world_size: int) -> list[list[dict]]:
     """Run several answers at one world size; per answer, each rank's result."""
     case = next(c for c in ATTENTION_CASES if c[0] == world_size)
@@ -342,7 +363,8 @@ def check_head_parallel_attention(head_parallel_attention: Callable) -> None:
         answer = _check_attention_answers([head_parallel_attention], case[0])[0]
         judge_attention(answer, case)
     passed(ex, "2 and 3 ranks, float32 and float64: output and gradients equal "
-               "to one process, each head computed by one rank.")
+               "to one process, each head computed by one rank, one all-reduce "
+               "each way.")
 
 
 # ---------------------------------------------------------------- exercise 10.2
