@@ -935,7 +935,8 @@ check_cached_attention(cached_attention)
 # head stay whole. Return what `generate` returns: the greedy tokens
 # `(batch, steps)` and the logits that chose them. The checker runs 2 and
 # 4 ranks, float32 and float64 (under `torch.no_grad()`), counts the
-# all-reduces and each rank's FLOPs.
+# all-reduces (and any other collective: there should be none) and each
+# rank's FLOPs.
 
 # %%
 torch.manual_seed(0)

@@ -327,7 +327,8 @@ def _tp_answer(contiguous=False, world_fixed=None, skip_attn_reduce=False,
                reduce_after_up=False, bias_every_rank=False, no_up_bias=False,
                gather_sum=False, no_cache=False, shift_logits=False,
                reduce_logits=False, extra_forward=False, last_only=False,
-               functional=False, whole_wo=False, whole_down=False):
+               functional=False, whole_wo=False, whole_down=False,
+               head_on_rank0=False, kept=False):
     @torch.no_grad()
     def answer(model, prompt, steps):
         import torch.distributed as dist
@@ -335,7 +336,8 @@ def _tp_answer(contiguous=False, world_fixed=None, skip_attn_reduce=False,
         rank = dist.get_rank()
         world = world_fixed or dist.get_world_size()
         rank = rank % world
-        shards = _shards(model, rank, world, contiguous)
+        shards = (_KEPT.setdefault("shards", _shards(model, rank, world))
+                  if kept else _shards(model, rank, world, contiguous))
 
         def reduce(t):
             if functional:
@@ -391,6 +393,11 @@ def _tp_answer(contiguous=False, world_fixed=None, skip_attn_reduce=False,
                 h = h + part + (0 if bias_every_rank else block.mlp[2].bias)
             if last_only:
                 h = h[:, -1:]
+            if head_on_rank0:  # rank 0 alone runs the head and sends the logits
+                logits = (model.head(model.norm(h)) if rank == 0 else h.new_empty(
+                    *h.shape[:-1], model.head.out_features))
+                dist.broadcast(logits, 0)
+                return logits
             logits = model.head(model.norm(h))
             return reduce(logits) if reduce_logits else logits
 
@@ -509,7 +516,14 @@ def wrong_float32(model, prompt, steps):
     return _tp_answer()(model.float(), prompt, steps)
 
 
+_KEPT = {}  # what an answer keeps between calls, in each rank's process
+
+
 WRONG_TP.update({"wrong_unsharded": (wrong_unsharded, "all-reduces per layer"),
+                 "wrong_head_on_rank0": (_tp_answer(head_on_rank0=True),
+                                         "no other collective"),
+                 "wrong_shards_kept_between_calls": (
+                     _tp_answer(kept=True), "keep nothing between calls"),
                  "wrong_fake_reduces": (wrong_fake_reduces, "FLOPs"),
                  "wrong_rank0_broadcasts": (wrong_rank0_broadcasts,
                                             "all-reduces per layer"),

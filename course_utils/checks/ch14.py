@@ -304,7 +304,7 @@ class _Counter(TorchDispatchMode):
             name = func.__name__.split(".")[0].strip("_")
             if name in ("allreduce", "all_reduce"):
                 self.all_reduces += 1
-            elif name not in ("wait_tensor", "barrier"):
+            elif name not in ("wait_tensor", "barrier", "wrap_tensor_autograd"):
                 self.others += 1
         return func(*args, **(kwargs or {}))
 
@@ -369,6 +369,10 @@ def judge_tp(ranks: list[list[dict]], cases=None) -> None:
                         "size from dist.get_world_size()"
                         if "shape" in r["error"] or "size" in r["error"] else
                         "fix that error and run the exercise cell again")
+                if c and ("shape" in r["error"] or "size" in r["error"]):
+                    hint = ("the first case ran; this one brings another model, of "
+                            "other sizes: keep nothing between calls, and shard "
+                            "the model that each call receives")
                 if "took longer than" in r["error"]:
                     hint = ("your function did not return: look for a loop that "
                             "never ends")
@@ -412,6 +416,11 @@ def judge_tp(ranks: list[list[dict]], cases=None) -> None:
                      + (f" and {r['others']} other collectives" if r["others"] else ""),
                      "one all-reduce after attention's output matrix and one after "
                      "the MLP's second matrix, in every layer and every forward")
+            if r["others"]:
+                fail(ex, f"no other collective than the all-reduces ({where})",
+                     f"{r['others']} other collectives on rank {rank}",
+                     "embedding, norms and head stay whole on every rank: each "
+                     "rank picks the same token itself, with nothing to send")
             # the blocks' share split N ways, the head whole, as often as generate
             # runs them and one forward more; a matrix kept whole on every rank
             # goes over
