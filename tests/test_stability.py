@@ -68,7 +68,7 @@ def test_record_times_each_solution_and_keeps_the_other_chapters(
     assert set(data["checks"]) == {"1.1", "7.1"}
     assert 0 < data["checks"]["7.1"] < 30
     # the kept time is put on this run's scale: seconds per second of probe
-    assert data["checks"]["1.1"] == stability.figures(2.0 * data["probe_s"] / 0.01)
+    assert data["checks"]["1.1"] == stability.figures(2.0 / 0.01 * data["probe_s"])
 
     flaky = tmp_path / "07_demo.py"
     flaky.write_text(CHAPTER)
