@@ -413,8 +413,8 @@ def check_parallel_apply_(parallel_apply_) -> None:
         rows = shape[0]
         nonempty = min(processes, rows)
         log_dir = tempfile.mkdtemp(prefix="ch04_apply_")
-        os.makedirs(log_dir + "/meet")
-        try:
+        try:  # removed once the stray workers that may still log are killed
+            os.makedirs(log_dir + "/meet")
             # workers that never all run at once (one after another, too few,
             # in this process) each give up waiting well within the time
             # limit, so the verdict names what they did instead of a timeout
@@ -423,65 +423,66 @@ def check_parallel_apply_(parallel_apply_) -> None:
             status, got, _, _ = _guarded(ex, parallel_apply_, t, processes, task)
             running = _left_children(0)  # workers still at work when it returned
             calls = _logged(log_dir)
+            if status == "error":
+                _no_orphans(ex, case)
+                _raised(ex, got)
+            if running:
+                _kill(running)
+                fail(ex, f"every worker finished when your function returns ({case})",
+                     f"{len(running)} process(es) still alive (now killed)",
+                     "join every worker before returning: t is complete only then")
+            _no_orphans(ex, case)
+            if t.dtype != dtype or t.shape != original.shape:
+                fail(ex, f"t itself, still {dtype} of shape {shape} ({case})",
+                     f"{t.dtype} of shape {tuple(t.shape)}")
+            if not calls:
+                fail(ex, f"fn called on the chunks ({case})", "it was never called")
+            pids = {pid for pid, r, *_ in calls if r}
+            if os.getpid() in pids:
+                fail(ex, f"each chunk computed in a worker process ({case})",
+                     "fn ran in this process (serially, or in threads)",
+                     "start a multiprocessing Process per chunk")
+            if torch.equal(t, original):
+                returned = (isinstance(got, torch.Tensor)
+                            and got.shape == want.shape and torch.equal(got, want))
+                fail(ex, f"t changed in place ({case})", "t unchanged" +
+                     (" (the result was returned instead)" if returned else ""),
+                     "a forked child writes to its own copy of t's pages: call "
+                     "t.share_memory_() first, and have each worker write "
+                     "t[start:stop] = fn(t[start:stop])")
+            if not torch.equal(t, want):
+                bad = (t != want).nonzero()[0].tolist()
+                fail(ex, f"every row of t replaced by fn(row), exactly ({case})",
+                     f"row {bad[0]} differs", "each chunk written once, in t's own "
+                     "dtype (no float32 copy of a float64 tensor, no float copy of "
+                     "an int64 one)")
+            sizes = sorted((r for _, r, *_ in calls), reverse=True)
+            if any(s == rows for s in sizes) and nonempty > 1:
+                fail(ex, f"each worker given its chunk of the rows ({case})",
+                     "a worker got all the rows", "split along dim 0 into `processes` "
+                     "chunks")
+            nonzero = [s for s in sizes if s]
+            if sum(nonzero) != rows:
+                fail(ex, f"chunks covering the {rows} rows once ({case})",
+                     f"chunk sizes {nonzero}", "each row in exactly one chunk")
+            if len(nonzero) != nonempty or max(nonzero) - min(nonzero) > 1:
+                fail(ex, f"{nonempty} chunks whose sizes differ by at most one "
+                     f"({case})", f"chunk sizes {nonzero}", "spread the remainder one "
+                     "row at a time (the largest chunk sets the time); one chunk per "
+                     "process")
+            if len(pids) != nonempty:
+                fail(ex, f"{nonempty} worker processes, one per chunk ({case})",
+                     f"{len(pids)} processes")
+            if any(gaps for *_, gaps in calls):
+                fail(ex, f"contiguous chunks of rows, t[start:stop] ({case})",
+                     "a chunk of rows with gaps between them (every n-th row?)",
+                     "give each worker one block of consecutive rows: its pages are "
+                     "its own, and a block is one view")
+            if not all(met for _, _, met, _ in calls):
+                fail(ex, f"the {nonempty} workers running at once ({case})",
+                     "they ran one after the other", "start every worker, then join")
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
-        if status == "error":
-            _no_orphans(ex, case)
-            _raised(ex, got)
-        if running:
-            _kill(running)
-            fail(ex, f"every worker finished when your function returns ({case})",
-                 f"{len(running)} process(es) still alive (now killed)",
-                 "join every worker before returning: t is complete only then")
-        _no_orphans(ex, case)
-        if t.dtype != dtype or t.shape != original.shape:
-            fail(ex, f"t itself, still {dtype} of shape {shape} ({case})",
-                 f"{t.dtype} of shape {tuple(t.shape)}")
-        if not calls:
-            fail(ex, f"fn called on the chunks ({case})", "it was never called")
-        pids = {pid for pid, r, *_ in calls if r}
-        if os.getpid() in pids:
-            fail(ex, f"each chunk computed in a worker process ({case})",
-                 "fn ran in this process (serially, or in threads)",
-                 "start a multiprocessing Process per chunk")
-        if torch.equal(t, original):
-            returned = isinstance(got, torch.Tensor) and got.shape == want.shape and \
-                torch.equal(got, want)
-            fail(ex, f"t changed in place ({case})", "t unchanged" +
-                 (" (the result was returned instead)" if returned else ""),
-                 "a forked child writes to its own copy of t's pages: call "
-                 "t.share_memory_() first, and have each worker write "
-                 "t[start:stop] = fn(t[start:stop])")
-        if not torch.equal(t, want):
-            bad = (t != want).nonzero()[0].tolist()
-            fail(ex, f"every row of t replaced by fn(row), exactly ({case})",
-                 f"row {bad[0]} differs", "each chunk written once, in t's own "
-                 "dtype (no float32 copy of a float64 tensor, no float copy of "
-                 "an int64 one)")
-        sizes = sorted((r for _, r, *_ in calls), reverse=True)
-        if any(s == rows for s in sizes) and nonempty > 1:
-            fail(ex, f"each worker given its chunk of the rows ({case})",
-                 "a worker got all the rows", "split along dim 0 into `processes` "
-                 "chunks")
-        nonzero = [s for s in sizes if s]
-        if sum(nonzero) != rows:
-            fail(ex, f"chunks covering the {rows} rows once ({case})",
-                 f"chunk sizes {nonzero}", "each row in exactly one chunk")
-        if len(nonzero) != nonempty or max(nonzero) - min(nonzero) > 1:
-            fail(ex, f"{nonempty} chunks whose sizes differ by at most one ({case})",
-                 f"chunk sizes {nonzero}", "spread the remainder one row at a time "
-                 "(the largest chunk sets the time); one chunk per process")
-        if len(pids) != nonempty:
-            fail(ex, f"{nonempty} worker processes, one per chunk ({case})",
-                 f"{len(pids)} processes")
-        if any(gaps for *_, gaps in calls):
-            fail(ex, f"contiguous chunks of rows, t[start:stop] ({case})",
-                 "a chunk of rows with gaps between them (every n-th row?)",
-                 "give each worker one block of consecutive rows: its pages are its "
-                 "own, and a block is one view")
-        if not all(met for _, _, met, _ in calls):
-            fail(ex, f"the {nonempty} workers running at once ({case})",
-                 "they ran one after the other", "start every worker, then join")
     passed(ex, "Written in place, through shared memory, by one worker per "
            "balanced chunk, all at once.")
 
